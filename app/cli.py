@@ -1,0 +1,131 @@
+"""The `qgemm` command: fetch, serve, inspect, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def cmd_fetch(args: argparse.Namespace, settings: Settings) -> int:
+    from models.demo import ensure_demo
+    from models.fetch import FetchError, fetch
+
+    path, wrote = ensure_demo(settings.models_dir)
+    print(f"{'wrote' if wrote else 'have '} {path}")
+    if args.demo_only:
+        return 0
+    try:
+        path, fetched = fetch(settings.models_dir)
+    except FetchError as exc:
+        print(f"qgemm fetch: {exc}", file=sys.stderr)
+        return 1
+    print(f"{'fetched' if fetched else 'have   '} {path} (sha256 verified)")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from models.demo import ensure_demo
+
+    settings = settings.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    path, wrote = ensure_demo(settings.models_dir)
+    if wrote:
+        print(f"wrote the demo model: {path}")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def inspect_file(path: Path) -> dict[str, Any]:
+    from models import inspect
+    from models.store import ModelStore
+
+    store = ModelStore(path.parent)
+    model = next((m for m in store.scan() if m.path.resolve() == path.resolve()), None)
+    if model is None:
+        raise FileNotFoundError(f"{path} is not a .gguf file")
+    out: dict[str, Any] = {"file": str(path), "size_bytes": model.size_bytes, "status": model.status,
+                           "error": model.error}
+    if model.status == "ok":
+        out |= {"header": inspect.header(model), "metadata": inspect.metadata(model),
+                "tensor_types": inspect.types_summary(model),
+                "tensors": [inspect.tensor_row(t) for t in model.tensors.values()]}
+    return out
+
+
+def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"qgemm inspect: {path}: no such file", file=sys.stderr)
+        return 2
+    info = inspect_file(path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0 if info["status"] == "ok" else 1
+    print(f"{path}  ({_fmt_bytes(info['size_bytes'])})")
+    if info["status"] != "ok":
+        print(f"  error: {info['error']}")
+        return 1
+    h = info["header"]
+    print(f"  GGUF v{h['version']}, {h['tensor_count']} tensors, {h['kv_count']} metadata keys, "
+          f"alignment {h['alignment']}, data at byte {h['data_offset']}")
+    print("\nmetadata:")
+    for k, v in info["metadata"].items():
+        text = json.dumps(v, default=str, ensure_ascii=False)
+        print(f"  {k:<44} {text if len(text) <= 100 else text[:97] + '...'}")
+    print("\ntensor types:")
+    for t, s in info["tensor_types"].items():
+        print(f"  {t:<6} {s['count']:>5} tensors  {_fmt_bytes(s['n_bytes']):>10}")
+    print(f"\n  {'name':<36} {'type':<6} {'shape [N, K]':<16} {'bytes':>10}  matmul")
+    for t in info["tensors"]:
+        print(f"  {t['name']:<36} {t['type']:<6} {str(t['shape']):<16} {t['n_bytes']:>10}  "
+              f"{'yes' if t['matmul'] else 'no'}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    from kernels.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("fetch", help="write the demo model and fetch SmolLM2-135M (idempotent)")
+    p.add_argument("--demo-only", action="store_true", help="write the demo model only (no network)")
+    p = sub.add_parser("serve", help="serve the HTTP API with uvicorn")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p = sub.add_parser("inspect", help="summarise a GGUF file")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("bench", help="time every available kernel on the seeds' shapes (needs a GPU)")
+    try:
+        from kernels.bench import add_arguments
+    except ImportError:  # pragma: no cover
+        add_arguments = None
+    if add_arguments:
+        add_arguments(p)
+    args = parser.parse_args(argv)
+    settings = Settings.from_env()
+    return {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "bench": cmd_bench}[args.command](
+        args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

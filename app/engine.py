@@ -1,0 +1,165 @@
+"""The matmul engine: picks a backend and a kernel, checks the request against them, runs it.
+
+The CPU backend always exists; the CUDA backend exists when CuPy sees a device and the settings
+allow it.  Every rule about which kernel may run what lives in kernels.registry; this module only
+turns those reasons into HTTP errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from fastapi.concurrency import run_in_threadpool
+
+from app.errors import ApiError
+from app.settings import Settings
+from kernels.cpu import CpuBackend, Result, Weights
+from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, known_names
+from models.store import Model, TensorInfo
+
+log = logging.getLogger("qgemm")
+
+
+class Engine:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.cpu = CpuBackend(settings.cpu_cache_bytes)
+        self.cuda: Any = None
+        self.cuda_error: str | None = None
+        if settings.backend in ("auto", "cuda"):
+            try:
+                from kernels.cuda.backend import CudaBackend, cuda_device_present
+
+                if cuda_device_present():
+                    self.cuda = CudaBackend(settings)
+                else:
+                    self.cuda_error = "CuPy sees no CUDA device"
+            except ImportError as exc:
+                self.cuda_error = f"CuPy is not installed ({exc.name}); install the .[cuda] extra"
+            except Exception as exc:  # a broken driver must not stop the CPU service in auto mode
+                self.cuda_error = f"{type(exc).__name__}: {exc}"
+            if self.cuda is None:
+                if settings.backend == "cuda":
+                    raise RuntimeError(f"QGEMM_BACKEND=cuda but the CUDA backend is unavailable: {self.cuda_error}")
+                log.info("CUDA backend unavailable (%s); serving on the CPU", self.cuda_error)
+
+    # -- what is here -------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return "cuda" if self.cuda is not None else "cpu"
+
+    @property
+    def device(self) -> str | None:
+        return self.cuda.device_name if self.cuda is not None else None
+
+    @property
+    def cuda_cc(self) -> int | None:
+        return self.cuda.cc if self.cuda is not None else None
+
+    def kernel_table(self) -> list[dict[str, Any]]:
+        rows = [{"name": "auto", "weight_types": list(WEIGHTS), "activation_format": "auto", "backend": "auto",
+                 "available": True, "reason": None, "description": AUTO_DESCRIPTION}]
+        for spec in KERNELS.values():
+            reason = spec.device_reason(self.cuda_cc)
+            if reason is None and spec.backend == "cuda":
+                reason = self.cuda.kernel_reason(spec)
+            rows.append({"name": spec.name, "weight_types": list(spec.weight_types),
+                         "activation_format": spec.activation_format, "backend": spec.backend,
+                         "available": reason is None, "reason": reason, "description": spec.description})
+        return rows
+
+    def runnable(self, type_name: str, m: int, n: int, k: int) -> list[KernelSpec]:
+        out = []
+        for spec in KERNELS.values():
+            if spec.can_run(type_name, m, n, k, self.cuda_cc) is None and (
+                    spec.backend == "cpu" or self.cuda.kernel_reason(spec) is None):
+                out.append(spec)
+        return out
+
+    # -- choosing -----------------------------------------------------------------------------
+    def choose(self, kernel: str, info: TensorInfo, m: int) -> KernelSpec:
+        if info.matmul_reason:
+            raise ApiError(422, "unsupported_tensor", info.matmul_reason)
+        n, k = info.shape
+        if kernel == "auto":
+            if self.cuda is not None:
+                spec = self.cuda.auto(info.type_name, m, n, k)
+                if spec is not None:
+                    return spec
+            return KERNELS["ref_q8_1"]
+        spec = KERNELS.get(kernel)
+        if spec is None:
+            known = ", ".join(known_names())
+            raise ApiError(422, "unknown_kernel", f"unknown kernel {kernel!r}; known kernels: {known}")
+        reason = spec.can_run(info.type_name, m, n, k, self.cuda_cc)
+        if reason is None and spec.backend == "cuda":
+            reason = self.cuda.kernel_reason(spec)
+        if reason is not None:
+            can = [s.name for s in self.runnable(info.type_name, m, n, k)]
+            raise ApiError(422, "kernel_cannot_run",
+                           f"kernel {kernel!r} cannot run {info.name} ({info.type_name} [{n}, {k}]) with M={m}: "
+                           f"{reason}; kernels that can: {', '.join(['auto', *can])}")
+        return spec
+
+    # -- running ------------------------------------------------------------------------------
+    def check_activations(self, x: np.ndarray, info: TensorInfo) -> None:
+        if x.ndim != 2:
+            raise ApiError(422, "bad_shape", f"activations must be a 2-D [M, K] array; got {x.ndim}-D {list(x.shape)}")
+        m, k = x.shape
+        if m < 1 or k < 1:
+            raise ApiError(422, "bad_shape", f"activations must have at least one row and column; got {list(x.shape)}")
+        if m > self.settings.max_rows:
+            raise ApiError(422, "too_many_rows", f"M={m} rows exceed the limit of {self.settings.max_rows} "
+                                                 "(QGEMM_MAX_ROWS)")
+        n, kw = info.shape
+        if k != kw:
+            raise ApiError(422, "k_mismatch", f"activations have K={k} columns but {info.name} is [{n}, {kw}]: "
+                                              f"K must be {kw}")
+        if not np.isfinite(x).all():
+            bad = np.argwhere(~np.isfinite(x))[0]
+            raise ApiError(422, "non_finite", f"activations contain NaN or infinity (first at row {bad[0]}, "
+                                              f"column {bad[1]})")
+
+    def weights(self, model: Model, info: TensorInfo) -> Weights:
+        n, k = info.shape
+        return Weights((model.version_key, info.name), info.type_name, n, k, lambda: model.raw(info.name))
+
+    def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str) -> tuple[KernelSpec, Result]:
+        if info.matmul_reason:
+            raise ApiError(422, "unsupported_tensor", info.matmul_reason)
+        self.check_activations(x, info)
+        spec = self.choose(kernel, info, x.shape[0])
+        with np.errstate(over="ignore"):
+            x32 = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(x32).all():
+            raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
+        w = self.weights(model, info)
+        if spec.backend == "cuda":
+            return spec, self.cuda.run(spec, w, x32)
+        return spec, self.cpu.run(spec.name, w, x32)
+
+    async def run_matmul(self, model: Model, info: TensorInfo, x: np.ndarray,
+                         kernel: str) -> tuple[KernelSpec, Result]:
+        """Off the event loop, so that one long product never stalls the other requests."""
+        return await run_in_threadpool(self.matmul, model, info, x, kernel)
+
+    def preload(self, model: Model, infos: list[TensorInfo], kernel: str | None) -> list[dict[str, Any]]:
+        """Upload tensors to the GPU in the layouts `kernel` (default: what auto picks) reads."""
+        assert self.cuda is not None
+        loaded = []
+        for info in infos:
+            n, k = info.shape
+            if kernel:
+                specs = [self.choose(kernel, info, 1)]
+            else:
+                specs = [s for m in (1, 512) if (s := self.cuda.auto(info.type_name, m, n, k)) is not None]
+            for spec in {s.weight_layout: s for s in specs if s.backend == "cuda"}.values():
+                nbytes = self.cuda.load(spec, self.weights(model, info))
+                loaded.append({"tensor": info.name, "layout": spec.weight_layout, "n_bytes": nbytes})
+        return loaded
+
+    def close(self) -> None:
+        if self.cuda is not None:
+            self.cuda.close()

@@ -1,0 +1,60 @@
+"""The FastAPI application factory and its lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from app import __version__, errors
+from app.engine import Engine
+from app.limits import BodyLimit, require_api_key
+from app.routes import matmul, models, system
+from app.settings import Settings
+from models.cache import ByteLRU
+from models.store import Model, ModelStore
+
+log = logging.getLogger("qgemm")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = ModelStore(settings.models_dir)
+        for m in store.scan():
+            if m.status != "ok":
+                log.warning("model %s: %s", m.id, m.error)
+        engine = Engine(settings)
+        app.state.store, app.state.engine = store, engine
+        app.state.stats_cache = ByteLRU(64)  # counts entries: 64 tensors' statistics
+
+        def residency(model: Model) -> dict[str, Any]:
+            if engine.cuda is None:
+                return {"backend": "cpu", "n_bytes": 0, "tensors": []}
+            return engine.cuda.residency(model.version_key)
+
+        app.state.engine_residency = residency
+        log.info("qgemm %s: backend %s (%s), models in %s", __version__, engine.backend,
+                 engine.device or engine.cuda_error, settings.models_dir)
+        try:
+            yield
+        finally:
+            engine.close()
+
+    app = FastAPI(title="qgemm", version=__version__, lifespan=lifespan,
+                  description="Inspect GGUF models and multiply their quantized weights the way llama.cpp does.")
+    app.state.settings = settings
+    errors.install(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    v1.include_router(models.router)
+    v1.include_router(matmul.router)
+    v1.include_router(system.router)
+    app.include_router(system.health_router)
+    app.include_router(v1)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,123 @@
+"""POST /v1/matmul: JSON or .npy in, JSON or .npy out, timing in the body and in Server-Timing."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from pydantic import ValidationError
+
+from app.errors import ApiError
+from app.schemas import ErrorResponse, MatmulRequest, MatmulResponse
+from models.store import NotFound
+
+router = APIRouter(tags=["matmul"])
+
+NPY = "application/x-npy"
+JSON = "application/json"
+
+
+def _media(value: str | None) -> str:
+    return (value or "").split(";")[0].strip().lower()
+
+
+def parse_json(body: bytes) -> tuple[MatmulRequest, np.ndarray]:
+    try:
+        req = MatmulRequest.model_validate_json(body)
+    except ValidationError as exc:
+        errs = exc.errors()
+        if errs and errs[0]["type"] == "json_invalid":
+            why = errs[0].get("ctx", {}).get("error", "")
+            raise ApiError(400, "bad_json", f"body is not valid JSON: {why}") from None
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errs[:3]]
+        more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+        raise ApiError(400, "bad_request", "; ".join(parts) + more) from None
+    rows = req.activations
+    widths = {len(r) for r in rows}
+    if len(widths) > 1:
+        raise ApiError(422, "bad_shape", f"activations rows have different lengths ({sorted(widths)[:5]}): "
+                                         "X must be a rectangular [M, K] array")
+    x = np.array(rows, dtype=np.float64) if rows else np.zeros((0, 0))
+    return req, x
+
+
+def parse_npy(body: bytes) -> np.ndarray:
+    try:
+        x = np.load(io.BytesIO(body), allow_pickle=False)
+    except ValueError as exc:
+        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {exc}") from None
+    except Exception as exc:  # truncated or garbage headers raise several kinds
+        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {type(exc).__name__}: {exc}") from None
+    if not isinstance(x, np.ndarray):
+        raise ApiError(400, "bad_npy", "body holds no single .npy array")
+    if x.dtype not in (np.float32, np.float64):
+        raise ApiError(422, "bad_dtype", f".npy activations must be float32 or float64, not {x.dtype}")
+    return x
+
+
+def server_timing(timing: dict[str, float]) -> str:
+    return ", ".join(f"{k};dur={v:.3f}" for k, v in timing.items())
+
+
+@router.post(
+    "/matmul",
+    response_model=MatmulResponse,
+    responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+               415: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+    openapi_extra={"requestBody": {"content": {
+        JSON: {"schema": MatmulRequest.model_json_schema()},
+        NPY: {"schema": {"type": "string", "format": "binary"}}}, "required": True}},
+)
+async def matmul(
+    request: Request,
+    model: str | None = Query(None, description=".npy bodies: the model id"),
+    tensor: str | None = Query(None, description=".npy bodies: the tensor name"),
+    kernel: str = Query("auto", description=".npy bodies: the kernel"),
+) -> Response:
+    """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor.  JSON body, or a .npy body with the
+    model, tensor and kernel as query parameters; `Accept: application/x-npy` answers .npy."""
+    t_request = time.perf_counter()
+    ctype = _media(request.headers.get("content-type"))
+    if ctype not in (JSON, NPY):
+        raise ApiError(415, "unsupported_media_type",
+                       f"Content-Type must be {JSON} or {NPY}, not {ctype or 'missing'}")
+    body = await request.body()
+    if ctype == JSON:
+        req, x = await run_in_threadpool(parse_json, body)
+        model_id, tensor_name, kernel_name = req.model, req.tensor, req.kernel
+    else:
+        if not model or not tensor:
+            raise ApiError(400, "bad_request", ".npy bodies need the model and tensor as query parameters "
+                                               "(?model=...&tensor=...)")
+        x = await run_in_threadpool(parse_npy, body)
+        model_id, tensor_name, kernel_name = model, tensor, kernel
+    state = request.app.state
+    try:
+        mdl, info = state.store.tensor(model_id, tensor_name)
+    except NotFound as exc:
+        raise ApiError(404, "not_found", str(exc)) from None
+    spec, result = await state.engine.run_matmul(mdl, info, x, kernel_name)
+    timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
+    y = result.output
+    headers = {"X-Qgemm-Kernel": spec.name, "X-Qgemm-Backend": result.backend,
+               "X-Qgemm-Activation-Format": result.activation_format,
+               "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}"}
+    wants_npy = NPY in (request.headers.get("accept") or "").lower()
+    if wants_npy:
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(y, dtype=np.float32), allow_pickle=False)
+        content, media = buf.getvalue(), NPY
+    else:
+        payload: dict[str, Any] = {"output": y.tolist(), "shape": list(y.shape), "model": mdl.id,
+                                   "tensor": info.name, "kernel": spec.name,
+                                   "activation_format": result.activation_format,
+                                   "backend": result.backend, "timing_ms": timing}
+        content, media = json.dumps(payload, allow_nan=False).encode(), JSON
+    timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
+    headers["Server-Timing"] = server_timing(timing)
+    return Response(content, media_type=media, headers=headers)

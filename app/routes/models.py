@@ -1,0 +1,108 @@
+"""/v1/models: list models, look inside them, load and unload their weights on the GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.concurrency import run_in_threadpool
+
+from app.errors import ApiError
+from app.schemas import LoadRequest, ModelDetail, ModelList, TensorDetail, TensorList
+from kernels.formats import format_of
+from models import inspect
+from models.store import Model, NotFound
+
+router = APIRouter(tags=["models"])
+
+
+def summary(model: Model) -> dict[str, Any]:
+    return {"id": model.id, "file": model.path.name, "size_bytes": model.size_bytes, "status": model.status,
+            "error": model.error, "architecture": model.architecture, "tensor_count": len(model.tensors)}
+
+
+def _model(request: Request, model_id: str) -> Model:
+    try:
+        return request.app.state.store.get(model_id)
+    except NotFound as exc:
+        raise ApiError(404, "model_not_found", str(exc)) from None
+
+
+def _ok_model(request: Request, model_id: str) -> Model:
+    model = _model(request, model_id)
+    if model.status != "ok":
+        raise ApiError(422, "model_unreadable", f"model {model_id!r} could not be read: {model.error}")
+    return model
+
+
+@router.get("/models", response_model=ModelList)
+def list_models(request: Request) -> dict[str, Any]:
+    return {"models": [summary(m) for m in request.app.state.store.scan()]}
+
+
+@router.get("/models/{model_id}", response_model=ModelDetail)
+def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    model = _model(request, model_id)
+    ok = model.status == "ok"
+    return {**summary(model),
+            "header": inspect.header(model) if ok else None,
+            "metadata": inspect.metadata(model) if ok else {},
+            "tensor_types": inspect.types_summary(model),
+            "resident": request.app.state.engine_residency(model)}
+
+
+@router.get("/models/{model_id}/tensors", response_model=TensorList)
+def list_tensors(request: Request, model_id: str) -> dict[str, Any]:
+    model = _ok_model(request, model_id)
+    return {"tensors": [inspect.tensor_row(t) for t in model.tensors.values()]}
+
+
+@router.get("/models/{model_id}/tensors/{name}", response_model=TensorDetail)
+def get_tensor(request: Request, model_id: str, name: str) -> dict[str, Any]:
+    model = _ok_model(request, model_id)
+    info = model.tensors.get(name)
+    if info is None:
+        raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
+    cache = request.app.state.stats_cache
+    key = (model.version_key, name)
+    stats, stats_error = cache.get(key), None
+    if stats is None:
+        try:
+            stats = inspect.tensor_stats(info, model.raw(name))
+            cache.put(key, stats, 1)
+        except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
+            stats_error = f"{type(exc).__name__}: {exc}"
+    fmt = format_of(info.type_name)
+    return {**inspect.tensor_row(info), "model": model.id, "n_elements": info.n_elements,
+            "block_format": fmt.layout if fmt else None, "matmul_reason": info.matmul_reason,
+            "stats": stats, "stats_error": stats_error}
+
+
+@router.post("/models/{model_id}/load")
+async def load_model(request: Request, model_id: str, body: LoadRequest | None = Body(None)) -> dict[str, Any]:
+    """Upload a model's matmul tensors (or the named ones) to the GPU, ahead of the first request."""
+    model = _ok_model(request, model_id)
+    engine = request.app.state.engine
+    if engine.cuda is None:
+        raise ApiError(409, "no_gpu", f"this server runs on the CPU backend ({engine.cuda_error}); nothing to load")
+    names = body.tensors if body and body.tensors else [t.name for t in model.tensors.values() if t.matmul]
+    infos = []
+    for n in names:
+        info = model.tensors.get(n)
+        if info is None:
+            raise ApiError(404, "tensor_not_found", f"tensor {n!r} not found in model {model_id!r}")
+        if info.matmul_reason:
+            raise ApiError(422, "unsupported_tensor", info.matmul_reason)
+        infos.append(info)
+    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None)
+    return {"model": model.id, "loaded": loaded, "resident": request.app.state.engine_residency(model)}
+
+
+@router.post("/models/{model_id}/unload")
+async def unload_model(request: Request, model_id: str, body: LoadRequest | None = Body(None)) -> dict[str, Any]:
+    """Free a model's weights (or the named tensors') from the GPU."""
+    model = _model(request, model_id)
+    engine = request.app.state.engine
+    names = set(body.tensors) if body and body.tensors else None
+    freed = engine.cuda.unload(model.version_key, names) if engine.cuda is not None else 0
+    return {"model": model.id, "freed_bytes": freed, "resident": request.app.state.engine_residency(model)}

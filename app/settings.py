@@ -1,0 +1,44 @@
+"""Settings, read once from QGEMM_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+MiB = 1 << 20
+
+
+def default_models_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "qgemm" / "models"
+
+
+class Settings(BaseModel):
+    models_dir: Path = Field(default_factory=default_models_dir)
+    backend: Literal["auto", "cuda", "cpu"] = "auto"
+    max_body_bytes: int = Field(256 * MiB, gt=0)
+    max_rows: int = Field(8192, gt=0)  # M of one request
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, gt=0, lt=65536)
+    cpu_cache_bytes: int = Field(2048 * MiB, ge=0)  # prepared weights kept for the CPU kernels
+    gpu_memory_bytes: int | None = Field(None, ge=0)  # resident weights on the GPU; None: a share of free
+    log_level: str = "info"
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        values: dict[str, object] = {}
+        for name in cls.model_fields:
+            env = os.environ.get(f"QGEMM_{name.upper()}")
+            if env is not None:
+                values[name] = env
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""Block formats, the numpy reference kernels, and (with CuPy) the CUDA kernels."""

@@ -1,0 +1,78 @@
+"""The CPU backend: the numpy reference kernels, with prepared weights cached by bytes (LRU)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels import reference
+from models.cache import ByteLRU
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A matmul's weights as the engine hands them to a backend."""
+
+    key: Hashable  # identifies the file version and tensor; caches key on it
+    type_name: str
+    n: int
+    k: int
+    raw: Callable[[], np.ndarray]  # GGUF block bytes, uint8 [N, row_bytes]
+
+
+@dataclass
+class Result:
+    output: np.ndarray
+    backend: str
+    activation_format: str
+    timing_ms: dict[str, float] = field(default_factory=dict)
+    activations_q8_1: reference.Q8_1 | None = None  # kept for callers that check against the reference
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, cache_bytes: int):
+        self.cache: ByteLRU[object] = ByteLRU(cache_bytes)
+
+    def _prepared(self, w: Weights, layout: str, make: Callable[[np.ndarray], object],
+                  nbytes: Callable[[object], int]) -> tuple[object, float]:
+        key = (w.key, layout)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit, 0.0
+        t0 = time.perf_counter()
+        value = make(w.raw())
+        self.cache.put(key, value, nbytes(value))  # too large for the budget: used once, not kept
+        return value, _ms(t0)
+
+    def run(self, kernel: str, w: Weights, x: np.ndarray) -> Result:
+        t_all = time.perf_counter()
+        if kernel == "ref_q8_1":
+            bw, prep = self._prepared(w, "blocks", lambda raw: reference.prepare_block_weights(w.type_name, raw),
+                                      lambda v: v.nbytes)  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            a = reference.quantize_q8_1(x)
+            tq = _ms(t0)
+            t0 = time.perf_counter()
+            y = reference.ref_q8_1(bw, a)  # type: ignore[arg-type]
+            tg = _ms(t0)
+            timing = {"weights": prep, "quantize": tq, "gemm": tg}
+            res = Result(y, self.name, "q8_1", timing, a)
+        elif kernel == "ref_f32":
+            wf, prep = self._prepared(w, "f32", lambda raw: reference.dequantize_weights(w.type_name, raw),
+                                      lambda v: v.nbytes)  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            y = reference.ref_f32(wf, x)  # type: ignore[arg-type]
+            res = Result(y, self.name, "f32", {"weights": prep, "quantize": 0.0, "gemm": _ms(t0)})
+        else:
+            raise KeyError(f"the CPU backend has no kernel {kernel!r}")
+        res.timing_ms["total"] = _ms(t_all)
+        return res

@@ -1,0 +1,174 @@
+"""The numpy reference: llama.cpp's CUDA math, element for element.
+
+* `quantize_q8_1` is llama.cpp's `quantize_q8_1` kernel: per block of 32, d = amax/127 in fp32,
+  q = roundf(x/d) (half away from zero), ds = half2(d, sum x).  The sum is taken in the same
+  butterfly order as the warp reduction (`__shfl_xor_sync` with offsets 16, 8, 4, 2, 1), so the
+  GPU kernel that reduces the same way matches it bit for bit.
+* `ref_q8_1` is `vec_dot_q4_0_q8_1` / `vec_dot_q8_0_q8_1`: an exact integer dot per block, then
+  the block scales in fp32, using the *half* values of d and s as the device does:
+      Q4_0: d_w * (d_a * sumi - 8 * s_a)     (q_w in 0..15)
+      Q8_0: d_w * d_a * sumi
+* `ref_f32` dequantizes the weights with `gguf.quants.dequantize` and keeps activations in fp32.
+
+It is the ground truth for the GPU kernels and the serving backend where there is no GPU: all
+work is vectorized; the only Python loop runs over chunks of 32-value blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from kernels.formats import FORMATS, QK
+
+Q8_1_BLOCK = np.dtype([("ds", "<f2", (2,)), ("qs", "i1", (QK,))])  # 36 bytes, as block_q8_1
+assert Q8_1_BLOCK.itemsize == FORMATS[GGMLQuantizationType.Q8_1].block_bytes
+
+
+@dataclass(frozen=True)
+class Q8_1:
+    """Q8_1 activations: q int8 [M, K], d and s float16 [M, K/32]."""
+
+    q: np.ndarray
+    d: np.ndarray
+    s: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape  # type: ignore[return-value]
+
+    def to_blocks(self) -> np.ndarray:
+        """The byte image of llama.cpp's `block_q8_1` array, [M, K/32] records of 36 bytes."""
+        m, k = self.q.shape
+        out = np.empty((m, k // QK), dtype=Q8_1_BLOCK)
+        out["ds"][..., 0] = self.d
+        out["ds"][..., 1] = self.s
+        out["qs"] = self.q.reshape(m, k // QK, QK)
+        return out
+
+    @classmethod
+    def from_blocks(cls, blocks: np.ndarray) -> Q8_1:
+        blocks = np.asarray(blocks).view(Q8_1_BLOCK)
+        m, kb = blocks.shape
+        return cls(np.ascontiguousarray(blocks["qs"]).reshape(m, kb * QK),
+                   np.ascontiguousarray(blocks["ds"][..., 0]), np.ascontiguousarray(blocks["ds"][..., 1]))
+
+
+def roundf(v: np.ndarray) -> np.ndarray:
+    """C's roundf: nearest integer, halves away from zero (numpy's rint rounds them to even)."""
+    v64 = v.astype(np.float64)  # |v| <= 127, so v + 0.5 is exact in float64
+    return np.copysign(np.floor(np.abs(v64) + 0.5), v64)
+
+
+def warp_sum(xb: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (32) in the order of a butterfly warp reduction, in float32."""
+    s = xb.astype(np.float32, copy=False)
+    width = s.shape[-1]
+    while width > 1:
+        width //= 2
+        s = s[..., :width] + s[..., width:]
+    return s[..., 0]
+
+
+def quantize_q8_1(x: np.ndarray) -> Q8_1:
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    xb = x.reshape(m, k // QK, QK)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = xb / d[..., None]
+    q = np.where(amax[..., None] == 0, 0, roundf(v)).astype(np.int8)
+    return Q8_1(q.reshape(m, k), d.astype(np.float16), warp_sum(xb).astype(np.float16))
+
+
+def dequantize_q8_1(a: Q8_1) -> np.ndarray:
+    m, k = a.shape
+    qb = a.q.reshape(m, k // QK, QK).astype(np.float32)
+    return (qb * a.d.astype(np.float32)[..., None]).reshape(m, k)
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """Quantized weights split into integer values and per-block scales, ready for dot products.
+
+    q is float32 [K/32, 32, N] (exact small integers, laid out for one matmul per block);
+    d is float32 [K/32, N].  Q4_0 keeps q in 0..15; the -8 is the compensation term's job.
+    """
+
+    type_name: str
+    q: np.ndarray
+    d: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes
+
+
+def unpack_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw GGUF rows (uint8 [N, row_bytes]) to (q [N, K] integers, d float16 [N, K/32])."""
+    raw = np.asarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    blocks = raw.reshape(n, -1, fmt.block_bytes)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    if type_name == "Q4_0":
+        packed = blocks[..., 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # q[j] low nibble, q[j+16] high
+    elif type_name == "Q8_0":
+        q = blocks[..., 2:].view(np.int8)
+    else:
+        raise ValueError(f"no integer unpacking for {type_name}")
+    return q.reshape(n, -1), d
+
+
+def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights:
+    q, d = unpack_blocks(type_name, raw)
+    n, k = q.shape
+    qt = np.ascontiguousarray(q.reshape(n, k // QK, QK).transpose(1, 2, 0), dtype=np.float32)
+    return BlockWeights(type_name, qt, np.ascontiguousarray(d.T, dtype=np.float32))
+
+
+def dequantize_weights(type_name: str, raw: np.ndarray) -> np.ndarray:
+    return quants.dequantize(np.asarray(raw), GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
+
+
+def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
+    """Y[M, N] = Σ_blocks of the per-block formula; integer sums exact (|sum| < 2^24 in fp32)."""
+    m, k = a.shape
+    kb_total, _, n = w.q.shape
+    if k != kb_total * QK:
+        raise ValueError(f"K mismatch: activations have {k}, weights {kb_total * QK}")
+    qa = a.q.reshape(m, kb_total, QK).transpose(1, 0, 2).astype(np.float32)  # [KB, M, 32]
+    da = a.d.astype(np.float32).T  # [KB, M]
+    sa = a.s.astype(np.float32).T
+    acc = np.zeros((m, n), dtype=np.float32)
+    eight = np.float32(8)
+    for k0 in range(0, kb_total, chunk):
+        k1 = min(k0 + chunk, kb_total)
+        sumi = np.matmul(qa[k0:k1], w.q[k0:k1])  # [c, M, N], exact integers
+        if w.type_name == "Q4_0":
+            sumi *= da[k0:k1, :, None]
+            sumi -= eight * sa[k0:k1, :, None]
+            sumi *= w.d[k0:k1, None, :]
+        elif w.type_name == "Q8_0":
+            sumi *= w.d[k0:k1, None, :] * da[k0:k1, :, None]
+        else:
+            raise ValueError(f"ref_q8_1 has no formula for {w.type_name}")
+        acc += sumi.sum(axis=0, dtype=np.float32)
+    return acc
+
+
+def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Y = X · Wᵀ with the weights already dequantized to float32 [N, K]."""
+    return np.matmul(np.asarray(x, dtype=np.float32), w_f32.T)
+
+
+def nmse(y: np.ndarray, ref: np.ndarray) -> float:
+    y64, r64 = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    denom = float(np.sum(r64 * r64))
+    return float(np.sum((y64 - r64) ** 2) / denom) if denom else float(np.sum(y64 * y64))

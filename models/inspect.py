@@ -1,0 +1,100 @@
+"""Readable summaries of a GGUF model: header, metadata (long arrays summarised), tensor table,
+and on-demand statistics of a tensor's dequantized values."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, quants
+
+from models.store import Model, TensorInfo
+
+ARRAY_HEAD = 8  # items shown of a long array
+ARRAY_FULL = 16  # arrays up to this length are shown whole
+STRING_MAX = 4096  # longer strings (chat templates) are cut, with their length given
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, str) and len(v) > STRING_MAX:
+        return {"type": "STRING", "length": len(v), "first": v[:STRING_MAX] + "…"}
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, float) and not np.isfinite(v):
+        return str(v)
+    return v
+
+
+def field_summary(field: Any) -> Any:
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        n = len(field.data)
+        item_type = types[-1].name if len(types) > 1 else "UNKNOWN"
+        if n <= ARRAY_FULL:
+            return [_value(x) for x in field.contents()]
+        return {"type": "ARRAY", "item_type": item_type, "length": n,
+                "first": [_value(x) for x in field.contents(slice(0, ARRAY_HEAD))]}
+    return _value(field.contents())
+
+
+def header(model: Model) -> dict[str, Any]:
+    r = model.reader
+    assert r is not None
+    f = r.fields
+    return {
+        "version": int(f["GGUF.version"].contents()),
+        "tensor_count": int(f["GGUF.tensor_count"].contents()),
+        "kv_count": int(f["GGUF.kv_count"].contents()),
+        "alignment": int(r.alignment),
+        "data_offset": int(r.data_offset),
+        "byte_order": "little" if r.byte_order == "I" else "big",
+    }
+
+
+def metadata(model: Model) -> dict[str, Any]:
+    assert model.reader is not None
+    return {k: field_summary(v) for k, v in model.reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def types_summary(model: Model) -> dict[str, dict[str, int]]:
+    counts: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for t in model.tensors.values():
+        counts[t.type_name] += 1
+        nbytes[t.type_name] += t.n_bytes
+    return {k: {"count": counts[k], "n_bytes": nbytes[k]} for k in sorted(counts)}
+
+
+def tensor_row(t: TensorInfo) -> dict[str, Any]:
+    return {"name": t.name, "type": t.type_name, "shape": list(t.shape), "n_bytes": t.n_bytes,
+            "offset": t.offset, "matmul": t.matmul}
+
+
+def tensor_stats(t: TensorInfo, raw: np.ndarray, rows_per_chunk: int = 1024) -> dict[str, Any]:
+    """min, max, mean, std of the dequantized values and the share of all-zero 32-value blocks.
+
+    Dequantizes a chunk of rows at a time so that a large tensor never sits in memory as fp32.
+    """
+    qtype = GGMLQuantizationType[t.type_name]
+    rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+    lo, hi, total, total_sq, count = np.inf, -np.inf, 0.0, 0.0, 0
+    zero_blocks = blocks = 0
+    for r0 in range(0, rows.shape[0], rows_per_chunk):
+        chunk = quants.dequantize(np.asarray(rows[r0:r0 + rows_per_chunk]), qtype).astype(np.float64)
+        flat = chunk.reshape(-1)
+        lo, hi = min(lo, float(flat.min())), max(hi, float(flat.max()))
+        total += float(flat.sum())
+        total_sq += float(np.dot(flat, flat))
+        count += flat.size
+        usable = flat.size - flat.size % 32
+        if usable:
+            nonzero = np.any(flat[:usable].reshape(-1, 32) != 0, axis=1)
+            blocks += nonzero.size
+            zero_blocks += int(nonzero.size - np.count_nonzero(nonzero))
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    return {"min": lo, "max": hi, "mean": mean, "std": float(np.sqrt(var)),
+            "zero_block_share": zero_blocks / blocks if blocks else 0.0, "n_values": count}

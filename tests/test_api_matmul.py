@@ -1,0 +1,222 @@
+"""POST /v1/matmul over JSON and .npy: correct products on the real tensors, and every error."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from kernels import reference as ref
+from tests.conftest import SMOL_ID
+
+LARGE = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]
+BOUND = {("Q4_0", "q8_1"): 1e-3, ("Q8_0", "q8_1"): 1e-4, ("Q4_0", "f32"): 1e-9, ("Q8_0", "f32"): 1e-9}
+
+
+@pytest.fixture(scope="module")
+def readers(models_dir: Path) -> dict[str, GGUFReader]:
+    return {"demo": GGUFReader(models_dir / "demo.gguf"), SMOL_ID: GGUFReader(models_dir / f"{SMOL_ID}.gguf")}
+
+
+def oracle(reader: GGUFReader, name: str, x: np.ndarray) -> tuple[np.ndarray, str]:
+    t = next(t for t in reader.tensors if t.name == name)
+    qtype = GGMLQuantizationType(int(t.tensor_type))
+    w = quants.dequantize(t.data, qtype).astype(np.float64)
+    return x.astype(np.float64) @ w.T, qtype.name
+
+
+def npy(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("kernel", ["auto", "ref_q8_1", "ref_f32"])
+def test_json_products_are_correct(client: TestClient, readers: dict, rng: np.random.Generator,
+                                   name: str, kernel: str) -> None:
+    k = 14336 if "ffn_down" in name else 4096
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    r = client.post("/v1/matmul", json={"model": "demo", "tensor": name, "kernel": kernel, "activations": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    y = np.array(body["output"], dtype=np.float32)
+    assert body["shape"] == [3, 4096] and y.shape == (3, 4096)
+    want, tname = oracle(readers["demo"], name, x)
+    assert body["activation_format"] == ("f32" if kernel == "ref_f32" else "q8_1")
+    assert body["kernel"] == ("ref_q8_1" if kernel == "auto" else kernel) and body["backend"] == "cpu"
+    assert ref.nmse(y, want) <= BOUND[(tname, body["activation_format"])]
+    assert {"quantize", "gemm", "total"} <= set(body["timing_ms"])
+    assert "gemm;dur=" in r.headers["server-timing"]
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_npy_products_are_correct(client: TestClient, readers: dict, rng: np.random.Generator, name: str) -> None:
+    k = 14336 if "ffn_down" in name else 4096
+    x = rng.standard_normal((5, k))  # float64 is accepted too
+    r = client.post(f"/v1/matmul?model=demo&tensor={name}", content=npy(x),
+                    headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/x-npy"
+    y = np.load(io.BytesIO(r.content), allow_pickle=False)
+    assert y.dtype == np.float32 and y.shape == (5, 4096)
+    want, tname = oracle(readers["demo"], name, x.astype(np.float32))
+    assert ref.nmse(y, want) <= BOUND[(tname, "q8_1")]
+    assert r.headers["x-qgemm-kernel"] == "ref_q8_1" and "total;dur=" in r.headers["server-timing"]
+
+
+def test_smollm2_token_embd_end_to_end(client: TestClient, readers: dict, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    want, _ = oracle(readers[SMOL_ID], "token_embd.weight", x)
+    r = client.post("/v1/matmul", json={"model": SMOL_ID, "tensor": "token_embd.weight", "activations": x.tolist()})
+    assert r.status_code == 200, r.text
+    assert ref.nmse(np.array(r.json()["output"]), want) <= 1e-4
+    r = client.post(f"/v1/matmul?model={SMOL_ID}&tensor=token_embd.weight&kernel=ref_f32",
+                    content=npy(x.astype(np.float32)), headers={"Content-Type": "application/x-npy",
+                                                                "Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert ref.nmse(np.load(io.BytesIO(r.content)), want) <= 1e-9
+
+
+def test_json_answer_to_npy_request_and_back(client: TestClient, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    r = client.post("/v1/matmul?model=demo&tensor=tiny.q8_0.weight", content=npy(x),
+                    headers={"Content-Type": "application/x-npy"})
+    assert r.status_code == 200 and r.json()["shape"] == [2, 33]
+    r2 = client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q8_0.weight", "activations": x.tolist()},
+                     headers={"Accept": "application/x-npy"})
+    assert r2.status_code == 200
+    assert np.array_equal(np.load(io.BytesIO(r2.content)), np.array(r.json()["output"], dtype=np.float32))
+
+
+def test_single_row_and_odd_sizes(client: TestClient, readers: dict, rng: np.random.Generator) -> None:
+    for name, k in (("small.q4_0.weight", 96), ("small.q8_0.weight", 96), ("tiny.q4_0.weight", 64)):
+        for m in (1, 17):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            r = client.post("/v1/matmul", json={"model": "demo", "tensor": name, "activations": x.tolist()})
+            assert r.status_code == 200
+            want, tname = oracle(readers["demo"], name, x)
+            assert ref.nmse(np.array(r.json()["output"]), want) <= BOUND[(tname, "q8_1")]
+
+
+def _post(client: TestClient, **body: object) -> tuple[int, dict]:
+    payload = {"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.5] * 64]} | body
+    r = client.post("/v1/matmul", json=payload)
+    return r.status_code, r.json()
+
+
+def _raw(client: TestClient, content: bytes, ctype: str = "application/json", query: str = "") -> tuple[int, dict]:
+    r = client.post(f"/v1/matmul{query}", content=content, headers={"Content-Type": ctype})
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("content", [b"{", b"[1, 2]", b"null", b'{"model": "demo"}', b"",
+                                     b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": "abc"}',
+                                     b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [["1"]]}',
+                                     b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[true]]}',
+                                     b'{"model": 3, "tensor": "tiny.q4_0.weight", "activations": [[1]]}',
+                                     b'{"model": "demo", "tensor": "t", "activations": [[1]], "extra": 1}'])
+def test_malformed_json_is_400(client: TestClient, content: bytes) -> None:
+    status, body = _raw(client, content)
+    assert status == 400, body
+    assert body["error"]["message"]
+
+
+def test_bad_npy_is_400(client: TestClient) -> None:
+    q = "?model=demo&tensor=tiny.q4_0.weight"
+    for content in (b"", b"\x93NUMPY garbage", npy(np.ones((2, 64)))[:60]):
+        status, body = _raw(client, content, "application/x-npy", q)
+        assert status == 400 and body["error"]["code"] == "bad_npy"
+    obj = io.BytesIO()
+    np.save(obj, np.array([{"a": 1}], dtype=object), allow_pickle=True)  # pickles must never load
+    status, body = _raw(client, obj.getvalue(), "application/x-npy", q)
+    assert status == 400 and body["error"]["code"] == "bad_npy"
+    status, body = _raw(client, npy(np.ones((1, 64))), "application/x-npy", "?model=demo")
+    assert status == 400
+
+
+def test_npy_of_wrong_dtype_is_422(client: TestClient) -> None:
+    status, body = _raw(client, npy(np.ones((1, 64), dtype=np.int32)), "application/x-npy",
+                        "?model=demo&tensor=tiny.q4_0.weight")
+    assert status == 422 and body["error"]["code"] == "bad_dtype"
+
+
+def test_unsupported_content_type_is_415(client: TestClient) -> None:
+    for ctype in ("text/plain", "application/octet-stream", ""):
+        status, body = _raw(client, b"abc", ctype)
+        assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+
+
+def test_unknown_model_or_tensor_is_404(client: TestClient) -> None:
+    assert _post(client, model="nope")[0] == 404
+    assert _post(client, tensor="nope.weight")[0] == 404
+    assert _post(client, model="truncated")[0] == 404
+
+
+@pytest.mark.parametrize("acts,code", [
+    ([[0.5] * 63], "k_mismatch"),
+    ([[0.5] * 64, [0.5] * 32], "bad_shape"),
+    ([], "bad_shape"),
+    ([[]], "bad_shape"),
+    ([[float("nan")] + [0.5] * 63], "non_finite"),
+    ([[0.5] * 63 + [float("inf")]], "non_finite"),
+    ([[1e39] + [0.5] * 63], "non_finite"),
+])
+def test_shape_and_value_errors_are_422(client: TestClient, acts: list, code: str) -> None:
+    import json
+
+    body = json.dumps({"model": "demo", "tensor": "tiny.q4_0.weight", "activations": acts})
+    r = client.post("/v1/matmul", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_npy_shape_errors_are_422(client: TestClient) -> None:
+    q = "?model=demo&tensor=tiny.q4_0.weight"
+    for x in (np.ones(64), np.ones((1, 1, 64)), np.ones((2, 65)), np.full((1, 64), np.nan)):
+        assert _raw(client, npy(x), "application/x-npy", q)[0] == 422
+
+
+def test_too_many_rows_is_422(models_dir: Path) -> None:
+    from tests.conftest import make_client
+
+    with make_client(models_dir, max_rows=4) as c:
+        r = c.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.5] * 64] * 5})
+        assert r.status_code == 422 and "QGEMM_MAX_ROWS" in r.json()["error"]["message"]
+
+
+def test_tensor_that_is_not_a_supported_matrix_is_422(client: TestClient) -> None:
+    s, b = _post(client, tensor="blk.0.attn_norm.weight", activations=[[0.5] * 4096])
+    assert s == 422 and b["error"]["code"] == "unsupported_tensor"
+    s, b = _post(client, tensor="small.f16.weight")
+    assert s == 422 and "F16" in b["error"]["message"]
+    s, b = _post(client, model=SMOL_ID, tensor="blk.0.ffn_up.weight", activations=[[0.5] * 576])
+    assert s == 422 and "Q4_1" in b["error"]["message"]
+
+
+def test_unknown_kernel_lists_the_known(client: TestClient) -> None:
+    s, b = _post(client, kernel="fastest")
+    assert s == 422 and b["error"]["code"] == "unknown_kernel"
+    assert "ref_q8_1" in b["error"]["message"] and "auto" in b["error"]["message"]
+
+
+def test_kernel_that_cannot_run_says_why_and_which_can(client: TestClient) -> None:
+    ks = {k["name"]: k for k in client.get("/v1/kernels").json()["kernels"]}
+    gpu = [n for n, k in ks.items() if not k["available"]]
+    if not gpu:
+        pytest.skip("every kernel runs here")
+    s, b = _post(client, kernel=gpu[0])
+    assert s == 422 and b["error"]["code"] == "kernel_cannot_run"
+    assert "ref_q8_1" in b["error"]["message"]
+
+
+def test_server_keeps_serving_after_errors(client: TestClient) -> None:
+    for _ in range(3):
+        _raw(client, b"{nope")
+        _raw(client, b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[NaN]]}')
+    assert client.get("/healthz").status_code == 200
+    assert _post(client)[0] == 200

