@@ -97,6 +97,18 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_cut(args: argparse.Namespace, settings: Settings) -> int:
+    from models.cut import cut
+
+    try:
+        out = cut(Path(args.src), Path(args.dst), args.tensor)
+    except (KeyError, OSError, ValueError) as exc:
+        print(f"qgemm cut: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({_fmt_bytes(out.stat().st_size)})")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from kernels.bench import main as bench_main
 
@@ -114,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="summarise a GGUF file")
     p.add_argument("file")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("cut", help="write a GGUF holding only the named tensors (metadata kept)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--tensor", action="append", required=True, help="a tensor to keep (repeatable)")
     p = sub.add_parser("bench", help="time every available kernel on the seeds' shapes (needs a GPU)")
     try:
         from kernels.bench import add_arguments
@@ -123,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(p)
     args = parser.parse_args(argv)
     settings = Settings.from_env()
-    return {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "bench": cmd_bench}[args.command](
-        args, settings)
+    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench}
+    return commands[args.command](args, settings)
 
 
 if __name__ == "__main__":

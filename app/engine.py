@@ -16,6 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from app.errors import ApiError
 from app.settings import Settings
 from kernels.cpu import CpuBackend, Result, Weights
+from kernels.errors import DeviceOutOfMemory
 from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, known_names
 from models.store import Model, TensorInfo
 
@@ -137,7 +138,10 @@ class Engine:
             raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
         w = self.weights(model, info)
         if spec.backend == "cuda":
-            return spec, self.cuda.run(spec, w, x32)
+            try:
+                return spec, self.cuda.run(spec, w, x32)
+            except DeviceOutOfMemory as exc:
+                raise ApiError(503, "gpu_out_of_memory", str(exc), headers={"Retry-After": "1"}) from None
         return spec, self.cpu.run(spec.name, w, x32)
 
     async def run_matmul(self, model: Model, info: TensorInfo, x: np.ndarray,
@@ -156,7 +160,10 @@ class Engine:
             else:
                 specs = [s for m in (1, 512) if (s := self.cuda.auto(info.type_name, m, n, k)) is not None]
             for spec in {s.weight_layout: s for s in specs if s.backend == "cuda"}.values():
-                nbytes = self.cuda.load(spec, self.weights(model, info))
+                try:
+                    nbytes = self.cuda.load(spec, self.weights(model, info))
+                except DeviceOutOfMemory as exc:
+                    raise ApiError(503, "gpu_out_of_memory", str(exc)) from None
                 loaded.append({"tensor": info.name, "layout": spec.weight_layout, "n_bytes": nbytes})
         return loaded
 

@@ -21,6 +21,7 @@ class Health(BaseModel):
     backend: Literal["cpu", "cuda"]
     device: str | None
     version: str
+    compile_ms: float | None = None  # CUDA kernels compiled at start-up, not inside any request
 
 
 class ModelSummary(BaseModel):
@@ -95,7 +96,7 @@ class TensorDetail(TensorRow):
 class KernelInfo(BaseModel):
     name: str
     weight_types: list[str]
-    activation_format: Literal["q8_1", "f32", "auto"]
+    activation_format: Literal["q8_1", "f32", "f16", "auto"]
     backend: Literal["cpu", "cuda", "auto"]
     available: bool
     reason: str | None
@@ -121,7 +122,7 @@ class MatmulResponse(BaseModel):
     model: str
     tensor: str
     kernel: str
-    activation_format: Literal["q8_1", "f32"]
+    activation_format: Literal["q8_1", "f32", "f16"]
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
 

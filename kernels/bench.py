@@ -1,14 +1,270 @@
-"""`qgemm bench` (arrives with the GPU backend)."""
+"""`qgemm bench`: every available GPU kernel on the seeds' shapes, timed with CUDA events.
+
+Method: weights from the demo model (real GGUF blocks), uploaded in each kernel's layout; per
+(kernel, M) a warm-up, then the median of `--reps` timed runs, each run its own pair of events.
+Weights rotate among enough copies to exceed L2 three times over (HBM figure); a same-buffer
+figure (weights from L2 where they fit, as llama.cpp times itself) is taken beside it.  Quantize
+(FP32 -> Q8_1, or the cast for fp16) and GEMM are timed apart and summed.  NMSE is against the
+FP64 product of the dequantized weights, computed on the GPU.  Compilation happens before timing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+# llama.cpp (ggml CUDA, test-backend-ops perf -o MUL_MAT, same buffers), H100 80GB HBM3, µs per op,
+# including its on-device Q8_1 step; from ../shared/anchors.md (measured 2026-11-21).
+LLAMA_CPP_US = {
+    ("Q4_0", 4096): {1: 6.51, 8: 12.19, 32: 21.73, 128: 42.62, 512: 92.62, 2048: 361.05},
+    ("Q8_0", 4096): {1: 7.81, 8: 14.39, 32: 21.27, 128: 40.56, 512: 91.98, 2048: 351.84},
+    ("Q4_0", 14336): {1: 14.91, 8: 34.20, 32: 49.99, 128: 103.98, 512: 316.55, 2048: 1196.34},
+    ("Q8_0", 14336): {1: 27.25, 8: 46.42, 32: 60.71, 128: 109.59, 512: 318.22, 2048: 1227.01},
+}
+CUBLAS_F16_US = {
+    4096: {1: 8.96, 8: 9.86, 32: 18.10, 128: 27.79, 512: 53.31, 2048: 169.47},
+    14336: {1: 40.36, 8: 47.46, 32: 60.37, 128: 72.53, 512: 138.76, 2048: 492.38},
+}
+DEMO_TENSOR = {("Q4_0", 4096): "blk.0.attn_q.weight", ("Q8_0", 4096): "blk.0.attn_k.weight",
+               ("Q4_0", 14336): "blk.0.ffn_down.weight", ("Q8_0", 14336): "blk.1.ffn_down.weight"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--types", default="Q4_0,Q8_0")
+    p.add_argument("--k", default="4096,14336")
+    p.add_argument("--m", default="1,8,32,128,512,2048")
+    p.add_argument("--kernels", default="", help="comma-separated (default: every available CUDA kernel)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--tune", action="store_true", help="also write the auto table (kernels/tuning/table.json)")
+
+
+def _median_ms(cupy: Any, fn: Any, reps: int, warmup: int, rotate: int) -> float:
+    for i in range(warmup):
+        fn(i % rotate)
+    evs = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]
+    s = cupy.cuda.get_current_stream()
+    for i, (a, b) in enumerate(evs):
+        a.record(s)
+        fn(i % rotate)
+        b.record(s)
+    evs[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in evs)
+
+
+def copy_bandwidth(cupy: Any) -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (the HBM ceiling we measure)."""
+    n = 1 << 30
+    src = cupy.empty(n, dtype=cupy.uint8)
+    src.fill(1)
+    dst = cupy.empty_like(src)
+    ms = _median_ms(cupy, lambda i: cupy.copyto(dst, src), 10, 2, 1)
+    return 2 * n / (ms * 1e-3)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import cupy
+    import numpy as np
+    from gguf import GGUFReader
+
+    from app.settings import Settings
+    from kernels.cuda import launch
+    from kernels.cuda.backend import CudaBackend
+    from kernels.formats import QK
+    from kernels.registry import KERNELS
+    from kernels.tuning import peak_int8_tops
+    from models.demo import ensure_demo
+
+    settings = Settings.from_env(backend="cuda")
+    demo, _ = ensure_demo(settings.models_dir)
+    reader = GGUFReader(demo)
+    tensors = {t.name: t for t in reader.tensors}
+    backend = CudaBackend(settings)
+    mods = backend.modules
+    names = [n for n in (args.kernels.split(",") if args.kernels else KERNELS) if KERNELS[n].backend == "cuda"]
+    names = [n for n in names if backend.kernel_reason(KERNELS[n]) is None]
+    ms_list = [int(x) for x in args.m.split(",")]
+    rows: list[dict[str, Any]] = []
+
+    def work() -> dict[str, Any]:
+        with backend.stream:
+            bw = copy_bandwidth(cupy)
+            peak = peak_int8_tops(cupy, mods)
+            for type_name in args.types.split(","):
+                for k in (int(x) for x in args.k.split(",")):
+                    t = tensors[DEMO_TENSOR[(type_name, k)]]
+                    raw = np.asarray(t.data)
+                    n = raw.shape[0]
+                    wbytes = raw.nbytes
+                    w32 = launch.make_layout(mods, "f32", type_name, raw, n, k)["w"].astype(cupy.float64)
+                    layouts: dict[str, list[dict]] = {}
+                    for name in names:
+                        lay = KERNELS[name].weight_layout
+                        if lay not in layouts:
+                            one = launch.make_layout(mods, lay, type_name, raw, n, k)
+                            size = sum(int(a.nbytes) for a in one.values())
+                            copies = max(2, math.ceil(3 * backend.l2_bytes / size))
+                            more = [{key: a.copy() for key, a in one.items()} for _ in range(copies - 1)]
+                            layouts[lay] = [one, *more]
+                    for m in ms_list:
+                        rng = np.random.default_rng()
+                        x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float32))
+                        want = x.astype(cupy.float64) @ w32.T
+                        q = cupy.empty(m * (k // QK) * launch.Q8_1_BYTES, dtype=cupy.uint8)
+                        quant_ms = {
+                            "q8_1": _median_ms(cupy, lambda i, x=x, q=q: launch.quantize_q8_1(mods, x, q),
+                                               args.reps, args.warmup, 1),
+                            "f16": _median_ms(cupy, lambda i, x=x: x.astype(cupy.float16), args.reps, args.warmup, 1),
+                            "f32": 0.0}
+                        acts = {"q8_1": q, "f16": x.astype(cupy.float16), "f32": x}
+                        launch.quantize_q8_1(mods, x, q)
+                        y = cupy.empty((m, n), dtype=cupy.float32)
+                        for name in names:
+                            spec = KERNELS[name]
+                            if spec.can_run(type_name, m, n, k, backend.cc):
+                                continue
+                            copies = layouts[spec.weight_layout]
+                            a = acts[spec.activation_format]
+
+                            def gemm(i: int, spec=spec, copies=copies, a=a, y=y, t=type_name, m=m, n=n, k=k) -> None:
+                                launch.launch_gemm(mods, spec, t, copies[i], a, y, m, n, k)
+
+                            y.fill(cupy.nan)
+                            gemm(0)
+                            err = float(cupy.sum((y.astype(cupy.float64) - want) ** 2) / cupy.sum(want**2))
+                            rot = _median_ms(cupy, gemm, args.reps, args.warmup, len(copies))
+                            same = _median_ms(cupy, gemm, args.reps, args.warmup, 1)
+                            qms = quant_ms[spec.activation_format]
+                            total, total_same = qms + rot, qms + same
+                            moved = wbytes + m * k * 4 + m * n * 4
+                            rows.append({
+                                "type": type_name, "K": k, "N": n, "M": m, "kernel": name,
+                                "quantize_us": qms * 1e3, "gemm_us": rot * 1e3, "total_us": total * 1e3,
+                                "gemm_same_us": same * 1e3, "total_same_us": total_same * 1e3,
+                                "tops": 2 * m * n * k / (total * 1e-3) / 1e12,
+                                "gbps": moved / (total * 1e-3) / 1e9, "nmse": err,
+                                "floor_us": max(moved / bw, 2 * m * n * k / (peak * 1e12)) * 1e6,
+                                "llama_cpp_us": LLAMA_CPP_US.get((type_name, k), {}).get(m),
+                                "cublas_f16_anchor_us": CUBLAS_F16_US.get(k, {}).get(m),
+                            })
+                            print(f"{type_name} K={k:<5} M={m:<4} {name:<12} total {total * 1e3:9.1f} µs "
+                                  f"(same buffer {total_same * 1e3:9.1f})  NMSE {err:.2e}", flush=True)
+                    del layouts, w32
+                    cupy.get_default_memory_pool().free_all_blocks()
+        return {"bw": bw, "peak": peak}
+
+    ceilings = backend._call(work)
+    naive = {(r["type"], r["K"], r["M"]): r["total_us"] for r in rows if r["kernel"] == "naive"}
+    for r in rows:
+        base = naive.get((r["type"], r["K"], r["M"]))
+        r["speedup_vs_naive"] = base / r["total_us"] if base else None
+    backend.close()
+    return {
+        "device": backend.device_name, "compute_capability": backend.cc, "sm_count": backend.sm_count,
+        "l2_bytes": backend.l2_bytes, "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_gbps": ceilings["bw"] / 1e9, "int8_mma_peak_tops": ceilings["peak"],
+        "reps": args.reps, "warmup": args.warmup, "compile_ms": backend.compile_ms, "rows": rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| type | K | M | kernel | quantize µs | GEMM µs | total µs (HBM) | total µs (same buffer) | "
+             "llama.cpp µs | vs llama.cpp | TOPS | GB/s | × naive | NMSE |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        llama = r["llama_cpp_us"]
+        ratio = f"{llama / r['total_same_us']:.2f}x" if llama else ""
+        sp = f"{r['speedup_vs_naive']:.1f}" if r["speedup_vs_naive"] else ""
+        lines.append(f"| {r['type']} | {r['K']} | {r['M']} | {r['kernel']} | {r['quantize_us']:.1f} | "
+                     f"{r['gemm_us']:.1f} | {r['total_us']:.1f} | {r['total_same_us']:.1f} | "
+                     f"{llama if llama else ''} | {ratio} | {r['tops']:.1f} | {r['gbps']:.0f} | {sp} | "
+                     f"{r['nmse']:.1e} |")
+    return "\n".join(lines)
+
+
+def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
+    """docs/benchmarks.md: device, date, method, ceilings, the table and the picture."""
+    return f"""# Benchmarks
+
+Device: **{result['device']}** (compute capability {result['compute_capability'] / 10:.1f}, {result['sm_count']} SMs,
+{result['l2_bytes'] >> 20} MiB L2), measured {result['date']} with `qgemm bench` (`scripts/gpu-check.sh bench`).
+
+Method: weights are the demo model's tensors (`blk.0.attn_q` Q4_0 and `blk.0.attn_k` Q8_0 at K=4096,
+`blk.0.ffn_down` Q4_0 and `blk.1.ffn_down` Q8_0 at K=14336; N=4096), uploaded in each kernel's layout.
+Kernels are compiled before timing ({result['compile_ms']:.0f} ms at start-up). Per (kernel, M):
+{result['warmup']} warm-up runs, then the median of {result['reps']} runs, each between its own pair of CUDA
+events. "HBM" rotates the weights among enough copies to fill L2 three times over; "same buffer" reuses one
+copy, as llama.cpp's `test-backend-ops` times itself (so weights that fit in L2 come from L2). The
+comparable figure is quantize (FP32 to Q8_1 on the device, or the fp16 cast) + GEMM. NMSE is against the
+FP64 product of the dequantized weights. Ceilings measured in the same run: device-to-device copy
+{result['copy_bandwidth_gbps']:.0f} GB/s (read + write), int8 `mma.sync` loop {result['int8_mma_peak_tops']:.0f} TOPS.
+The floor column of bench.json is max(bytes / copy bandwidth, ops / mma peak).
+
+llama.cpp's figures are from `../shared/anchors.md` (ggml CUDA, **H100 80GB HBM3**, same buffers). Where
+this run's device is not an H100, the "vs llama.cpp" column compares different GPUs and is a lead only.
+
+![time per kernel per M]({picture})
+
+{table(result)}
+"""
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["type"], r["K"]) for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 5), squeeze=False)
+    for ax, (t, k) in zip(axes[0], keys, strict=True):
+        rows = [r for r in result["rows"] if r["type"] == t and r["K"] == k]
+        for name in dict.fromkeys(r["kernel"] for r in rows):
+            pts = sorted((r["M"], r["total_us"]) for r in rows if r["kernel"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        floor = sorted({(r["M"], r["floor_us"]) for r in rows})
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="roofline floor")
+        llama = sorted(LLAMA_CPP_US.get((t, k), {}).items())
+        ax.plot([p[0] for p in llama], [p[1] for p in llama], "kx", markersize=9, label="llama.cpp (same buffer)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (rows of X)")
+        ax.set_ylabel("µs (quantize + GEMM, rotating weights)")
+        ax.set_title(f"{t}, N=4096, K={k}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"qgemm on {result['device']} ({result['date']}); copy {result['copy_bandwidth_gbps']:.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(args: argparse.Namespace) -> int:
-    print("qgemm bench needs the CUDA backend")
-    return 2
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        print("qgemm bench needs CuPy and a GPU (pip install -e '.[cuda]')")
+        return 2
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    md = table(result)
+    (out / "bench.md").write_text(report(result, "bench.png"))
+    try:
+        plot(result, out / "bench.png")
+    except ImportError:
+        print("matplotlib is not installed: no picture (pip install -e '.[bench]')")
+    if args.tune:
+        from kernels.tuning import write_table
+
+        write_table(result)
+    print(md)
+    print(f"\ndevice {result['device']}, copy bandwidth {result['copy_bandwidth_gbps']:.0f} GB/s, "
+          f"int8 mma peak {result['int8_mma_peak_tops']:.0f} TOPS")
+    return 0

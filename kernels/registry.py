@@ -20,7 +20,7 @@ class KernelSpec:
     name: str
     backend: Backend
     weight_types: tuple[str, ...]
-    activation_format: Literal["q8_1", "f32"]
+    activation_format: Literal["q8_1", "f32", "f16"]
     description: str
     min_cc: int = 0  # compute capability as major*10+minor; 0 for the CPU
     k_multiple: int = QK
@@ -67,6 +67,31 @@ KERNELS: dict[str, KernelSpec] = {
                    "numpy on the CPU: weights dequantized with gguf.quants, fp32 activations, fp32 GEMM"),
     )
 }
+
+
+def _cuda(name: str, fmt: str, layout: str, description: str, min_cc: int = 52, **kw: object) -> KernelSpec:
+    return KernelSpec(name, "cuda", WEIGHTS, fmt, description, min_cc=min_cc,  # type: ignore[arg-type]
+                      weight_layout=layout, **kw)  # type: ignore[arg-type]
+
+
+for _spec in (
+    _cuda("naive", "q8_1", "gguf", "one thread per output on GGUF blocks, scalar int8 products, the per-block "
+          "compensation epilogue"),
+    _cuda("tiled", "q8_1", "gguf", "16x16 output tiles; activation and weight blocks staged in shared memory "
+          "(weights unpacked to int8), scalar products"),
+    _cuda("dp4a", "q8_1", "gguf", "one thread per output, __dp4a on packed int8 words", min_cc=61),
+    _cuda("tiled_dp4a", "q8_1", "gguf", "64x64 tiles in shared memory, 4x4 outputs per thread, __dp4a",
+          min_cc=61),
+    _cuda("vec_dp4a", "q8_1", "split", "a warp per weight row, 16-byte loads of a split quants/scales layout, "
+          "4 activation rows per weight load, __dp4a", min_cc=61),
+    _cuda("w16_naive", "f32", "gguf", "W4A16/W8A16: one thread per output, weights dequantized in the kernel, "
+          "fp32 activations and math"),
+    _cuda("w16_tiled", "f32", "gguf", "W4A16/W8A16: 64x64 tiles, weights dequantized into shared memory, fp32"),
+    _cuda("cublas_f16", "f16", "f16", "weights dequantized once to fp16 on the GPU (cached), activations cast "
+          "to fp16, cuBLAS GemmEx with fp32 accumulation and output"),
+    _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 on the GPU (cached), cuBLAS SGEMM"),
+):
+    KERNELS[_spec.name] = _spec
 
 
 def register(spec: KernelSpec) -> KernelSpec:

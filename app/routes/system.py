@@ -16,7 +16,8 @@ router = APIRouter(tags=["system"])
 @health_router.get("/healthz", response_model=Health)
 def healthz(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
-    return {"status": "ok", "backend": engine.backend, "device": engine.device, "version": __version__}
+    return {"status": "ok", "backend": engine.backend, "device": engine.device, "version": __version__,
+            "compile_ms": engine.cuda.compile_ms if engine.cuda is not None else None}
 
 
 @router.get("/kernels", response_model=KernelList)

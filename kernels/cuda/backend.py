@@ -1,0 +1,198 @@
+"""The CUDA backend: one GPU worker thread that owns the stream, the compiled modules and the
+resident weights, so that concurrent requests never race on device state.
+
+A request is: weights from the resident store (uploaded on first use), activations uploaded,
+quantized to Q8_1 on the device (or cast for the fp16/fp32 kernels), the GEMM, the download; each
+step timed with CUDA events on the worker's stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import cupy
+import numpy as np
+
+from app.settings import Settings
+from kernels import reference
+from kernels.cpu import Result, Weights
+from kernels.cuda import launch
+from kernels.cuda.modules import SOURCES, Modules
+from kernels.errors import DeviceOutOfMemory
+from kernels.formats import QK
+from kernels.registry import KERNELS, KernelSpec
+from models.resident import ResidentWeights, is_oom
+
+log = logging.getLogger("qgemm")
+R = TypeVar("R")
+POISON_Q8_1 = 0xAB
+
+
+def cuda_device_present() -> bool:
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, settings: Settings, sources: tuple[str, ...] = SOURCES):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qgemm-gpu")
+        self._closed = threading.Event()
+        self._call(lambda: self._start(settings, sources))
+
+    def _start(self, settings: Settings, sources: tuple[str, ...]) -> None:
+        dev = cupy.cuda.Device(0)
+        dev.use()
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"]
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.cc = int(props["major"]) * 10 + int(props["minor"])
+        self.sm_count = int(props["multiProcessorCount"])
+        self.l2_bytes = int(props["l2CacheSize"])
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        free, total = cupy.cuda.runtime.memGetInfo()
+        budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
+        self.total_memory = int(total)
+        self.resident = ResidentWeights(budget)
+        self.modules = Modules(self.cc, sources)
+        for src, err in self.modules.errors.items():
+            log.error("CUDA source %s failed to compile: %s", src, err)
+        log.info("CUDA: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_name, self.cc,
+                 self.modules.compile_ms, budget >> 20)
+
+    # -- the worker thread ----------------------------------------------------------------------
+    def _call(self, fn: Callable[[], R]) -> R:
+        if self._closed.is_set():
+            raise RuntimeError("the CUDA backend is closed")
+        return self._pool.submit(fn).result()
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._call(lambda: self.resident.evict_all())
+            self._closed.set()
+            self._pool.shutdown(wait=True)
+
+    # -- the registry's questions ---------------------------------------------------------------
+    @property
+    def compile_ms(self) -> float:
+        return self.modules.compile_ms
+
+    def kernel_reason(self, spec: KernelSpec) -> str | None:
+        src = launch.SOURCE_OF.get(spec.name)
+        if src is None:
+            return "no launcher for this kernel"
+        if src in self.modules.errors:
+            return f"{src} failed to compile: {self.modules.errors[src]}"
+        if src not in self.modules.modules:
+            return f"{src} is not built by this server"
+        return None
+
+    def auto(self, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+        from kernels.tuning import pick
+
+        return pick(self, type_name, m, n, k)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def _weights(self, spec: KernelSpec, w: Weights) -> tuple[dict, float]:
+        layout = spec.weight_layout
+        nbytes = launch.layout_nbytes(layout, w.type_name, w.n, w.k)
+        return self.resident.get(w.key, layout, nbytes,
+                                 lambda: launch.make_layout(self.modules, layout, w.type_name, w.raw(), w.n, w.k))
+
+    def load(self, spec: KernelSpec, w: Weights) -> int:
+        def run() -> int:
+            with self.stream:
+                arrays, _ = self._weights(spec, w)
+            return sum(int(a.nbytes) for a in arrays.values())
+        return self._call(run)
+
+    def unload(self, version_key: Hashable, tensors: set[str] | None) -> int:
+        def match(key: Hashable) -> bool:
+            vk, name = key  # type: ignore[misc]
+            return vk == version_key and (tensors is None or name in tensors)
+        return self._call(lambda: self.resident.unload(match))
+
+    def residency(self, version_key: Hashable) -> dict[str, Any]:
+        rows = [{"tensor": key[1], "layout": layout, "n_bytes": size}  # type: ignore[index]
+                for key, layout, size in self.resident.entries() if key[0] == version_key]  # type: ignore[index]
+        return {"backend": "cuda", "n_bytes": sum(r["n_bytes"] for r in rows), "tensors": rows}
+
+    # -- a matmul ---------------------------------------------------------------------------------
+    def run(self, spec: KernelSpec, w: Weights, x: np.ndarray, poison: bool = False,
+            keep_q8_1: bool = False) -> Result:
+        def attempt() -> Result:
+            try:
+                return self._run(spec, w, x, poison, keep_q8_1)
+            except DeviceOutOfMemory:
+                raise
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                # free what requests left in the pool and cached weights, then try once more
+                self.resident.evict_all()
+                try:
+                    return self._run(spec, w, x, poison, keep_q8_1)
+                except Exception as exc2:
+                    if is_oom(exc2):
+                        raise DeviceOutOfMemory(f"GPU out of memory running {spec.name} on M={x.shape[0]}, "
+                                                f"N={w.n}, K={w.k}") from None
+                    raise
+        return self._call(attempt)
+
+    def _run(self, spec: KernelSpec, w: Weights, x: np.ndarray, poison: bool, keep_q8_1: bool) -> Result:
+        m, k = x.shape
+        n = w.n
+        with self.stream as s:
+            arrays, weights_ms = self._weights(spec, w)
+            ev = [cupy.cuda.Event() for _ in range(5)]
+            ev[0].record(s)
+            x_d = cupy.asarray(x)
+            ev[1].record(s)
+            acts: cupy.ndarray
+            if spec.activation_format == "q8_1":
+                acts = cupy.empty(m * (k // QK) * launch.Q8_1_BYTES, dtype=cupy.uint8)
+                if poison:
+                    acts.fill(POISON_Q8_1)
+                launch.quantize_q8_1(self.modules, x_d, acts)
+            elif spec.activation_format == "f16":
+                acts = x_d.astype(cupy.float16)
+            else:
+                acts = x_d
+            ev[2].record(s)
+            y_d = cupy.empty((m, n), dtype=cupy.float32)
+            if poison:
+                y_d.fill(cupy.nan)
+            launch.launch_gemm(self.modules, spec, w.type_name, arrays, acts, y_d, m, n, k)
+            ev[3].record(s)
+            y = cupy.asnumpy(y_d, stream=s)
+            ev[4].record(s)
+            ev[4].synchronize()
+            q8_1 = None
+            if keep_q8_1 and spec.activation_format == "q8_1":
+                q8_1 = reference.Q8_1.from_blocks(cupy.asnumpy(acts).reshape(m, -1))
+        t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
+        timing = {"weights": weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
+                  "total": weights_ms + sum(t)}
+        return Result(y, self.name, spec.activation_format, timing, q8_1)
+
+    def quantize(self, x: np.ndarray) -> reference.Q8_1:
+        """The device's Q8_1 of x (for tests and the bench)."""
+        def run() -> reference.Q8_1:
+            with self.stream as s:
+                x_d = cupy.asarray(np.ascontiguousarray(x, dtype=np.float32))
+                out = cupy.full(x.size // QK * launch.Q8_1_BYTES, POISON_Q8_1, dtype=cupy.uint8)
+                launch.quantize_q8_1(self.modules, x_d, out)
+                host = cupy.asnumpy(out, stream=s)
+                s.synchronize()
+            return reference.Q8_1.from_blocks(host.reshape(x.shape[0], -1))
+        return self._call(run)
+
+
+__all__ = ["CudaBackend", "cuda_device_present", "KERNELS"]

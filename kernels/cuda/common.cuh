@@ -1,0 +1,137 @@
+// Block types and device helpers shared by every qgemm kernel.
+//
+// Block layouts are llama.cpp's (ggml-common.h): Q4_0 = half d + 16 bytes of nibbles (byte j holds
+// q[j] low, q[j+16] high), Q8_0 = half d + 32 int8, Q8_1 = half2 (d, sum x) + 32 int8 (36 bytes).
+// Each weight type is a traits struct, so that a kernel is written once for both types.
+#pragma once
+#include <cuda_fp16.h>
+
+typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+#define QK 32
+#define WARP 32
+
+struct block_q8_1 { __half2 ds; i8 qs[QK]; };  // 36 bytes, 4-byte aligned
+
+// ---- warp reductions: butterfly order (offsets 16, 8, 4, 2, 1), as llama.cpp's warp_reduce_* ----
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+// ---- loads ----
+// GGUF blocks are 18 or 34 bytes, so their payload is only 2-byte aligned: read words as two u16.
+__device__ __forceinline__ int load_i32_a2(const u8* p) {
+    const u16* h = reinterpret_cast<const u16*>(p);
+    return int(unsigned(h[0]) | (unsigned(h[1]) << 16));
+}
+__device__ __forceinline__ float load_half(const u8* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+
+// Byte-wise dot of 4 packed int8 pairs, without dp4a (the scalar rungs of the ladder).
+__device__ __forceinline__ int dot4_scalar(int a, int b, int acc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc += int(i8(a >> (8 * i))) * int(i8(b >> (8 * i)));
+    return acc;
+}
+template <bool DP4A>
+__device__ __forceinline__ int dot4(int a, int b, int acc) {
+    if constexpr (DP4A) return __dp4a(a, b, acc); else return dot4_scalar(a, b, acc);
+}
+
+// ---- weight types ----
+// words(b, i, lo, hi): the i-th packed 4-value int32 group of a block's values as int8 words that
+// pair with activation words lo = q_a[4i..4i+3] (and, for Q4_0, hi = q_a[16+4i..16+4i+3]).
+// epilogue: llama.cpp's vec_dot_*_q8_1_impl for one whole block.
+struct Q4_0 {
+    static constexpr int BYTES = 18, QS_BYTES = 16, WORDS = 4;  // 4 packed words give 8 value words
+    __device__ static float scale(const u8* b) { return load_half(b); }
+    __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
+    template <bool DP4A>
+    __device__ static int dot_packed(int v, int a_lo, int a_hi, int acc) {  // v: 8 nibbles
+        acc = dot4<DP4A>(v & 0x0F0F0F0F, a_lo, acc);
+        return dot4<DP4A>((v >> 4) & 0x0F0F0F0F, a_hi, acc);
+    }
+    template <bool DP4A>
+    __device__ static int dot(const u8* b, const int* a) {  // a: the 8 activation words of a block
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s = dot_packed<DP4A>(word(b, i), a[i], a[i + 4], s);
+        return s;
+    }
+    __device__ static float epilogue(float dw, int sumi, float2 ds) { return dw * (sumi * ds.x - 8.0f * ds.y); }
+    __device__ static float value(const u8* b, int j) {  // dequantized, as gguf: d * (q - 8)
+        const u8 byte = b[2 + (j & 15)];
+        const int q = (j < 16 ? (byte & 15) : (byte >> 4)) - 8;
+        return scale(b) * float(q);
+    }
+};
+
+struct Q8_0 {
+    static constexpr int BYTES = 34, QS_BYTES = 32, WORDS = 8;
+    __device__ static float scale(const u8* b) { return load_half(b); }
+    __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
+    template <bool DP4A>
+    __device__ static int dot(const u8* b, const int* a) {
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = dot4<DP4A>(word(b, i), a[i], s);
+        return s;
+    }
+    __device__ static float epilogue(float dw, int sumi, float2 ds) { return dw * ds.x * float(sumi); }
+    __device__ static float value(const u8* b, int j) { return scale(b) * float(i8(b[2 + j])); }
+};
+
+// Unpack one weight block into 8 value words (Q4_0: nibbles widened to bytes 0..15).
+template <typename T> __device__ __forceinline__ void unpack_words(const u8* b, int* w);
+template <> __device__ __forceinline__ void unpack_words<Q4_0>(const u8* b, int* w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int v = Q4_0::word(b, i);
+        w[i] = v & 0x0F0F0F0F;
+        w[i + 4] = (v >> 4) & 0x0F0F0F0F;
+    }
+}
+template <> __device__ __forceinline__ void unpack_words<Q8_0>(const u8* b, int* w) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = Q8_0::word(b, i);
+}
+
+// Split layout (vec_dp4a, gemv): a block's quants alone, 16-byte aligned; unpack them to 8 value words.
+template <typename T> __device__ __forceinline__ void load_split_words(const u8* qs, int* w);
+template <> __device__ __forceinline__ void load_split_words<Q4_0>(const u8* qs, int* w) {
+    const int4 v = *reinterpret_cast<const int4*>(qs);
+    const int p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { w[i] = p[i] & 0x0F0F0F0F; w[i + 4] = (p[i] >> 4) & 0x0F0F0F0F; }
+}
+template <> __device__ __forceinline__ void load_split_words<Q8_0>(const u8* qs, int* w) {
+    const int4 v0 = reinterpret_cast<const int4*>(qs)[0], v1 = reinterpret_cast<const int4*>(qs)[1];
+    w[0] = v0.x; w[1] = v0.y; w[2] = v0.z; w[3] = v0.w; w[4] = v1.x; w[5] = v1.y; w[6] = v1.z; w[7] = v1.w;
+}
+
+template <bool DP4A>
+__device__ __forceinline__ int dot8(const int* w, const int* a) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = dot4<DP4A>(w[i], a[i], s);
+    return s;
+}
+
+// The activations' 8 words and (d, s) of one Q8_1 block.
+__device__ __forceinline__ void load_q8_1(const block_q8_1& blk, int* a, float2& ds) {
+    const int* q = reinterpret_cast<const int*>(blk.qs);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = q[i];
+    ds = __half22float2(blk.ds);
+}
+
+// Define extern "C" entry points for both weight types from one template.
+#define QGEMM_FOR_TYPES(MACRO) MACRO(q4_0, Q4_0) MACRO(q8_0, Q8_0)

@@ -1,0 +1,123 @@
+"""How each CUDA kernel is launched: its source, grid, block and arguments; and the weight layouts
+they read, made on the device from the GGUF bytes.
+
+A launcher takes (modules, type suffix, weight layout arrays, activations, output, M, N, K) and
+enqueues on the current stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import cupy
+import numpy as np
+
+from kernels.formats import FORMATS, QK
+from kernels.registry import KernelSpec
+
+Q8_1_BYTES = 36
+I32, I64 = np.int32, np.int64
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_q8_1(mods: Any, x: cupy.ndarray, out: cupy.ndarray) -> None:
+    n = x.size
+    mods.function("q8_1.cu", "quantize_q8_1")((cdiv(n, 256),), (256,), (x, out, I64(n)))
+
+
+def _thread_per_output(src: str, base: str) -> Callable[..., None]:
+    def launch(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+        mods.function(src, f"{base}_{t}")((cdiv(n, 32), cdiv(m, 8)), (32, 8), (w["w"], a, y, I32(m), I32(n), I32(k)))
+    return launch
+
+
+def _tiled(src: str, base: str, bm: int, bn: int) -> Callable[..., None]:
+    def launch(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+        mods.function(src, f"{base}_{t}")((cdiv(n, bn), cdiv(m, bm)), (256,), (w["w"], a, y, I32(m), I32(n), I32(k)))
+    return launch
+
+
+def _vec_dp4a(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    mods.function("ladder.cu", f"vec_dp4a_{t}")((cdiv(n, 4), cdiv(m, 4)), (128,),
+                                                (w["qs"], w["d"], a, y, I32(m), I32(n), I32(k)))
+
+
+_ONE = np.array(1.0, np.float32)
+_ZERO = np.array(0.0, np.float32)
+
+
+def _cublas_f16(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    """Y[M,N] = X·Wᵀ in cuBLAS's column-major terms: Yᵀ (N x M) = op_T(W as K x N) · Xᵀ (K x M)."""
+    from cupy_backends.cuda.libs import cublas
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, m, k, _ONE.ctypes.data,
+                  w["w"].data.ptr, cupy.cuda.runtime.CUDA_R_16F, k, a.data.ptr, cupy.cuda.runtime.CUDA_R_16F, k,
+                  _ZERO.ctypes.data, y.data.ptr, cupy.cuda.runtime.CUDA_R_32F, n, cublas.CUBLAS_COMPUTE_32F,
+                  cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def _cublas_f32(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    cupy.matmul(a, w["w"].T, out=y)
+
+
+LAUNCHERS: dict[str, Callable[..., None]] = {
+    "naive": _thread_per_output("ladder.cu", "naive"),
+    "dp4a": _thread_per_output("ladder.cu", "dp4a"),
+    "tiled": _tiled("ladder.cu", "tiled", 16, 16),
+    "tiled_dp4a": _tiled("ladder.cu", "tiled_dp4a", 64, 64),
+    "vec_dp4a": _vec_dp4a,
+    "w16_naive": _thread_per_output("w16.cu", "w16_naive"),
+    "w16_tiled": _tiled("w16.cu", "w16_tiled", 64, 64),
+    "cublas_f16": _cublas_f16,
+    "cublas_f32": _cublas_f32,
+}
+
+SOURCE_OF: dict[str, str] = {"naive": "ladder.cu", "dp4a": "ladder.cu", "tiled": "ladder.cu",
+                             "tiled_dp4a": "ladder.cu", "vec_dp4a": "ladder.cu", "w16_naive": "w16.cu",
+                             "w16_tiled": "w16.cu", "cublas_f16": "w16.cu", "cublas_f32": "w16.cu"}
+
+
+def suffix(type_name: str) -> str:
+    return type_name.lower()
+
+
+# ---- weight layouts ----------------------------------------------------------------------------
+def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
+    fmt = FORMATS_BY_NAME[type_name]
+    kb = k // QK
+    return {"gguf": n * kb * fmt.block_bytes,
+            "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
+            "f16": n * k * 2, "f32": n * k * 4}.get(layout, n * kb * fmt.block_bytes)
+
+
+FORMATS_BY_NAME = {f.name: f for f in FORMATS.values()}
+
+
+def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int, k: int) -> dict[str, cupy.ndarray]:
+    """Upload a tensor's GGUF bytes and turn them into `layout` on the device."""
+    fmt = FORMATS_BY_NAME[type_name]
+    kb = k // QK
+    if layout == "split":  # regroup on the host (a strided view), upload quants and scales apart
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(n, kb, fmt.block_bytes)
+        return {"qs": cupy.asarray(np.ascontiguousarray(blocks[..., 2:]).reshape(-1)),
+                "d": cupy.asarray(np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(-1))}
+    w = cupy.asarray(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1))
+    if layout == "gguf":
+        return {"w": w}
+    if layout in ("f16", "f32"):
+        out = cupy.empty((n, k), dtype=np.float16 if layout == "f16" else np.float32)
+        fn = mods.function("w16.cu", f"dequantize_{layout}_{suffix(type_name)}")
+        fn((cdiv(n * k, 256),), (256,), (w, out, I64(n * k)))
+        del w
+        return {"w": out}
+    raise ValueError(f"unknown weight layout {layout!r}")
+
+
+def launch_gemm(mods: Any, spec: KernelSpec, type_name: str, w: dict, acts: cupy.ndarray, y: cupy.ndarray,
+                m: int, n: int, k: int) -> None:
+    LAUNCHERS[spec.name](mods, suffix(type_name), w, acts, y, m, n, k)

@@ -1,0 +1,84 @@
+// FP32-activation kernels (W4A16 / W8A16): weights dequantized inside the kernel, fp32 math; and the
+// one-time dequantization to fp16 / fp32 that the cuBLAS kernels multiply with.
+#include "common.cuh"
+
+template <typename T>
+__device__ void w16_naive(const u8* __restrict__ W, const float* __restrict__ X, float* __restrict__ Y,
+                          int M, int N, int K) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int m = blockIdx.y * blockDim.y + threadIdx.y;
+    if (n >= N || m >= M) return;
+    const int KB = K / QK;
+    const u8* w = W + (size_t)n * KB * T::BYTES;
+    const float* x = X + (size_t)m * K;
+    float acc = 0.0f;
+    for (int kb = 0; kb < KB; ++kb) {
+        const u8* b = w + (size_t)kb * T::BYTES;
+        for (int j = 0; j < QK; ++j) acc += x[kb * QK + j] * T::value(b, j);
+    }
+    Y[(size_t)m * N + n] = acc;
+}
+
+// 64 x 64 tile of Y per block, 4 x 4 per thread, K in steps of one 32-value block through shared memory.
+template <typename T>
+__device__ void w16_tiled(const u8* __restrict__ W, const float* __restrict__ X, float* __restrict__ Y,
+                          int M, int N, int K) {
+    constexpr int BM = 64, BN = 64;
+    __shared__ float sX[QK][BM + 1];
+    __shared__ float sW[QK][BN + 1];
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN, KB = K / QK;
+    float acc[4][4] = {};
+    for (int kb = 0; kb < KB; ++kb) {
+        for (int idx = tid; idx < BM * QK; idx += 256) {  // coalesced along k
+            const int r = idx / QK, k = idx % QK, m = m0 + r;
+            sX[k][r] = m < M ? X[(size_t)m * K + kb * QK + k] : 0.0f;
+        }
+        for (int idx = tid; idx < BN * QK; idx += 256) {
+            const int r = idx / QK, k = idx % QK, n = n0 + r;
+            sW[k][r] = n < N ? T::value(W + ((size_t)n * KB + kb) * T::BYTES, k) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < QK; ++k) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) { a[i] = sX[k][ty + 16 * i]; b[i] = sW[k][tx + 16 * i]; }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
+            if (m < M && n < N) Y[(size_t)m * N + n] = acc[i][j];
+        }
+}
+
+template <typename T, typename OUT>
+__device__ void dequantize(const u8* __restrict__ W, OUT* __restrict__ out, long long n_values) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_values) return;
+    out[i] = OUT(T::value(W + (i / QK) * T::BYTES, int(i % QK)));
+}
+
+#define W16(t, T)                                                                                          \
+    extern "C" __global__ void w16_naive_##t(const u8* W, const float* X, float* Y, int M, int N, int K) { \
+        w16_naive<T>(W, X, Y, M, N, K);                                                                    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        w16_tiled_##t(const u8* W, const float* X, float* Y, int M, int N, int K) {                        \
+        w16_tiled<T>(W, X, Y, M, N, K);                                                                    \
+    }                                                                                                      \
+    extern "C" __global__ void dequantize_f32_##t(const u8* W, float* out, long long n) {                  \
+        dequantize<T, float>(W, out, n);                                                                   \
+    }                                                                                                      \
+    extern "C" __global__ void dequantize_f16_##t(const u8* W, __half* out, long long n) {                 \
+        dequantize<T, __half>(W, out, n);                                                                  \
+    }
+QGEMM_FOR_TYPES(W16)

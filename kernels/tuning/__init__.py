@@ -1,0 +1,90 @@
+"""What `auto` picks on the GPU: the fastest correct kernel per (weight type, M, N, K) from the
+table `qgemm bench --tune` measured (kernels/tuning/table.json, committed), and a simple rule for
+shapes the table lacks: the measured entry of the same type nearest in log M, then in log K."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kernels.registry import KERNELS, KernelSpec
+
+TABLE = Path(__file__).with_name("table.json")
+FALLBACK_SMALL_M = ("gemv", "vec_dp4a", "tiled_dp4a")  # M <= 8: stream the weights
+FALLBACK_LARGE_M = ("mmq", "tiled_dp4a", "vec_dp4a")  # reuse weights from shared memory
+
+
+@lru_cache(maxsize=1)
+def load_table() -> dict[str, Any]:
+    try:
+        return json.loads(TABLE.read_text())
+    except (OSError, ValueError):
+        return {"entries": []}
+
+
+def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+    spec = KERNELS.get(name)
+    if spec is None or spec.backend != "cuda":
+        return None
+    if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+        return None
+    return spec
+
+
+def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+    entries = [e for e in load_table().get("entries", []) if e["type"] == type_name]
+    if entries:
+        def distance(e: dict[str, Any]) -> tuple[float, float]:
+            return abs(math.log2(e["M"]) - math.log2(m)), abs(math.log2(e["K"]) - math.log2(k))
+
+        for e in sorted(entries, key=distance):
+            for name in e["ranking"]:
+                spec = _usable(backend, name, type_name, m, n, k)
+                if spec is not None:
+                    return spec
+    for name in FALLBACK_SMALL_M if m <= 8 else FALLBACK_LARGE_M:
+        spec = _usable(backend, name, type_name, m, n, k)
+        if spec is not None:
+            return spec
+    return None
+
+
+def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
+    """Rank kernels per (type, K, M) by quantize + GEMM time with rotating weights (HBM)."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        if r["nmse"] <= (1e-3 if r["type"] == "Q4_0" else 1e-4):  # only correct kernels compete
+            groups.setdefault((r["type"], r["K"], r["M"]), []).append(r)
+    entries = [{"type": t, "K": k, "M": m, "N": rows[0]["N"],
+                "ranking": [r["kernel"] for r in sorted(rows, key=lambda r: r["total_us"])],
+                "best_us": min(r["total_us"] for r in rows)}
+               for (t, k, m), rows in sorted(groups.items())]
+    path.write_text(json.dumps({"device": result["device"], "date": result["date"],
+                                "method": "qgemm bench --tune: median quantize+GEMM, rotating weights",
+                                "entries": entries}, indent=1) + "\n")
+    load_table.cache_clear()
+    return path
+
+
+def peak_int8_tops(cupy: Any, mods: Any) -> float:
+    """Int8 tensor-core ceiling from a plain mma.sync loop (dense ops: 2*16*8*32 per mma per warp)."""
+    import statistics
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    blocks, threads, iters = int(props["multiProcessorCount"]) * 4, 256, 4096
+    out = cupy.empty(blocks * threads, dtype=cupy.int32)
+    fn = mods.function("peak.cu", "mma_peak")
+    fn((blocks,), (threads,), (out, cupy.int32(iters)))
+    times = []
+    for _ in range(5):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn((blocks,), (threads,), (out, cupy.int32(iters)))
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    ops = blocks * (threads // 32) * iters * 8 * 2 * 16 * 8 * 32
+    return ops / (statistics.median(times) * 1e-3) / 1e12

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): install the carried wheels, write the demo model, run the GPU
+# tests and the bench.  Carry .whl (../shared/device/wheels.sh) and .carry/models (a GGUF holding
+# SmolLM2's token_embd.weight: `qgemm cut SmolLM2-135M-Instruct.Q4_1.gguf
+# .carry/models/SmolLM2-135M-Instruct.token_embd.gguf --tensor token_embd.weight`).
+#   usage: scripts/gpu-check.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 QGEMM_MODELS_DIR=$PWD/.carry/models
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+python3 -m app.cli fetch --demo-only
+rc=0
+if [[ $what == tests || $what == all ]]; then
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout 540 python3 -m app.cli bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|" | tail -400
+fi
+exit $rc

@@ -1,0 +1,221 @@
+"""GPU kernels against the numpy reference, and the service on the CUDA backend (`pytest -m gpu`).
+
+Every GEMM is fed the Q8_1 blocks the device produced, so that only float summation order can
+differ from the reference: NMSE <= 1e-10.  Outputs are poisoned (NaN) before each run.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from app.settings import Settings
+from kernels import reference as ref
+from kernels.cpu import Weights
+from kernels.registry import KERNELS
+from models.demo import ensure_demo
+
+pytestmark = pytest.mark.gpu
+
+MS, NS, KS = (1, 3, 17, 130), (1, 33, 257), (32, 96, 4096)
+CUDA_KERNELS = [name for name, s in KERNELS.items() if s.backend == "cuda"]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from kernels.cuda.backend import CudaBackend
+
+    b = CudaBackend(Settings(backend="cuda"))
+    assert not b.modules.errors, b.modules.errors
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def weights_bank():
+    """Fresh random GGUF weights per (type, N, K), made once per module run."""
+    rng = np.random.default_rng()
+    bank = {}
+    for t, n, k in itertools.product(("Q4_0", "Q8_0"), NS, KS):
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.005, 0.05)).astype(np.float32)
+        raw = quants.quantize(w, GGMLQuantizationType[t])
+        bank[(t, n, k)] = raw
+    return bank
+
+
+def expected(spec_format: str, type_name: str, raw: np.ndarray, x: np.ndarray, q8_1: ref.Q8_1 | None) -> np.ndarray:
+    if spec_format == "q8_1":
+        return ref.ref_q8_1(ref.prepare_block_weights(type_name, raw), q8_1).astype(np.float64)
+    w = ref.dequantize_weights(type_name, raw)
+    if spec_format == "f16":
+        return x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).astype(np.float64).T
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator) -> None:
+    for m, k in ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)):
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
+        x[0, :32] = 0.0  # a zero block
+        got, want = backend.quantize(x), ref.quantize_q8_1(x)
+        assert np.array_equal(got.q, want.q)
+        assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16))
+        # the sum: within one half-precision ulp of the reference (summation order)
+        ulp = np.spacing(np.abs(want.s)).astype(np.float32)
+        assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp)
+
+
+@pytest.mark.parametrize("kernel", CUDA_KERNELS)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generator, kernel: str,
+                                  type_name: str) -> None:
+    spec = KERNELS[kernel]
+    for m, n, k in itertools.product(MS, NS, KS):
+        reason = spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec)
+        if reason:
+            continue  # the kernel says why; auto never picks it there
+        raw = weights_bank[(type_name, n, k)]
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = Weights(("bank", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
+        res = backend.run(spec, w, x, poison=True, keep_q8_1=True)
+        assert res.output.shape == (m, n) and np.isfinite(res.output).all(), (kernel, m, n, k)
+        want = expected(spec.activation_format, type_name, raw, x, res.activations_q8_1)
+        err = ref.nmse(res.output, want)
+        assert err <= 1e-10, f"{kernel} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}"
+
+
+def test_every_cuda_kernel_is_available(backend) -> None:
+    for name in CUDA_KERNELS:
+        assert backend.kernel_reason(KERNELS[name]) is None, name
+
+
+# ---- the service on the CUDA backend ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_models_dir() -> Path:
+    d = Settings.from_env().models_dir
+    ensure_demo(d)
+    return d
+
+
+def smol_model(d: Path) -> str | None:
+    for p in sorted(d.glob("SmolLM2-135M-Instruct*.gguf")):
+        if any(t.name == "token_embd.weight" for t in GGUFReader(p).tensors):
+            return p.name[:-5]
+    return None
+
+
+@pytest.fixture(scope="module")
+def gpu_client(gpu_models_dir: Path):
+    from tests.conftest import make_client
+
+    with make_client(gpu_models_dir, backend="cuda") as c:
+        yield c
+
+
+def _oracle(path: Path, name: str, x: np.ndarray) -> np.ndarray:
+    t = next(t for t in GGUFReader(path).tensors if t.name == name)
+    w = quants.dequantize(t.data, GGMLQuantizationType(int(t.tensor_type))).astype(np.float64)
+    return x.astype(np.float64) @ w.T
+
+
+@pytest.mark.parametrize("name,k,bound", [("blk.0.attn_q.weight", 4096, 1e-3), ("blk.0.attn_k.weight", 4096, 1e-4),
+                                          ("blk.0.ffn_down.weight", 14336, 1e-3),
+                                          ("blk.1.ffn_down.weight", 14336, 1e-4)])
+def test_api_on_gpu_demo_tensors(gpu_client, gpu_models_dir: Path, rng: np.random.Generator, name: str, k: int,
+                                 bound: float) -> None:
+    assert gpu_client.get("/healthz").json()["backend"] == "cuda"
+    want_by_m = {}
+    for m in (1, 37):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want_by_m[m] = (x, _oracle(gpu_models_dir / "demo.gguf", name, x))
+    for kernel in ["auto", *CUDA_KERNELS]:
+        for m, (x, want) in want_by_m.items():
+            buf = io.BytesIO()
+            np.save(buf, x)
+            r = gpu_client.post(f"/v1/matmul?model=demo&tensor={name}&kernel={kernel}", content=buf.getvalue(),
+                                headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-qgemm-backend"] == "cuda"
+            y = np.load(io.BytesIO(r.content))
+            limit = bound if r.headers["x-qgemm-activation-format"] == "q8_1" else 1e-5
+            assert ref.nmse(y, want) <= limit, (kernel, m)
+            assert "gemm;dur=" in r.headers["server-timing"]
+
+
+def test_api_on_gpu_smollm2_token_embd(gpu_client, gpu_models_dir: Path, rng: np.random.Generator) -> None:
+    model = smol_model(gpu_models_dir)
+    if model is None:
+        pytest.skip("no SmolLM2 file with token_embd.weight in the models directory")
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    want = _oracle(gpu_models_dir / f"{model}.gguf", "token_embd.weight", x)
+    r = gpu_client.post("/v1/matmul", json={"model": model, "tensor": "token_embd.weight", "activations": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["backend"] == "cuda" and body["shape"] == [4, 49152]
+    assert ref.nmse(np.array(body["output"]), want) <= 1e-4
+    assert {"upload", "quantize", "gemm", "download", "total"} <= set(body["timing_ms"])
+
+
+def test_load_unload_and_residency(gpu_client) -> None:
+    r = gpu_client.post("/v1/models/demo/load", json={"tensors": ["small.q4_0.weight"]})
+    assert r.status_code == 200, r.text
+    res = gpu_client.get("/v1/models/demo").json()["resident"]
+    assert res["backend"] == "cuda" and any(t["tensor"] == "small.q4_0.weight" for t in res["tensors"])
+    r = gpu_client.post("/v1/models/demo/unload", json={"tensors": ["small.q4_0.weight"]})
+    assert r.status_code == 200 and r.json()["freed_bytes"] > 0
+    res = gpu_client.get("/v1/models/demo").json()["resident"]
+    assert not any(t["tensor"] == "small.q4_0.weight" for t in res["tensors"])
+    assert gpu_client.post("/v1/models/demo/load", json={"tensors": ["nope"]}).status_code == 404
+
+
+def test_memory_budget_evicts_and_refuses(gpu_models_dir: Path, rng: np.random.Generator) -> None:
+    from tests.conftest import make_client
+
+    budget = 40_000  # holds one small tensor (13.9 KB Q4_0, 26.2 KB Q8_0) at a time
+    with make_client(gpu_models_dir, backend="cuda", gpu_memory_bytes=budget) as c:
+        x = rng.standard_normal((2, 96)).astype(np.float32)
+        for name in ("small.q4_0.weight", "small.q8_0.weight", "small.q4_0.weight"):
+            body = {"model": "demo", "tensor": name, "kernel": "dp4a", "activations": x.tolist()}
+            r = c.post("/v1/matmul", json=body)
+            assert r.status_code == 200, r.text
+            res = c.get("/v1/models/demo").json()["resident"]
+            assert [t["tensor"] for t in res["tensors"]] == [name] and res["n_bytes"] <= budget
+        r = c.post("/v1/matmul", json={"model": "demo", "tensor": "blk.0.attn_q.weight", "kernel": "dp4a",
+                                       "activations": [[0.1] * 4096]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "gpu_out_of_memory"
+        assert "QGEMM_GPU_MEMORY_BYTES" in r.json()["error"]["message"]
+        r = c.post("/v1/matmul", json={"model": "demo", "tensor": "small.q8_0.weight", "activations": x.tolist()})
+        assert r.status_code == 200  # and it keeps serving
+
+
+def test_concurrent_requests(gpu_client, gpu_models_dir: Path) -> None:
+    names = ["small.q4_0.weight", "small.q8_0.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight"]
+    ks = {"small.q4_0.weight": 96, "small.q8_0.weight": 96, "blk.0.attn_q.weight": 4096, "blk.0.attn_k.weight": 4096}
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        r_ = np.random.default_rng(1000 + i)
+        name = names[i % len(names)]
+        kernel = ["auto", "tiled_dp4a", "vec_dp4a", "dp4a"][i % 4]
+        for _ in range(5):
+            x = r_.standard_normal((int(r_.integers(1, 40)), ks[name])).astype(np.float32)
+            r = gpu_client.post("/v1/matmul", json={"model": "demo", "tensor": name, "kernel": kernel,
+                                                    "activations": x.tolist()})
+            if r.status_code != 200:
+                errors.append(r.text)
+                continue
+            err = ref.nmse(np.array(r.json()["output"]), _oracle(gpu_models_dir / "demo.gguf", name, x))
+            if err > 1e-3:
+                errors.append(f"{name} {kernel}: NMSE {err}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
