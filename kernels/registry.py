@@ -26,6 +26,7 @@ class KernelSpec:
     k_multiple: int = QK
     max_m: int | None = None
     weight_layout: str = "gguf"  # the layout its weights are uploaded in (cached per layout)
+    activation_layout: str = "blocks"  # Q8_1 as block_q8_1 records, or "split" (int8 rows + half2 scales)
 
     def shape_reason(self, type_name: str, m: int, n: int, k: int) -> str | None:
         if type_name not in self.weight_types:
@@ -90,6 +91,12 @@ for _spec in (
     _cuda("cublas_f16", "f16", "f16", "weights dequantized once to fp16 on the GPU (cached), activations cast "
           "to fp16, cuBLAS GemmEx with fp32 accumulation and output"),
     _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 on the GPU (cached), cuBLAS SGEMM"),
+    _cuda("mmq", "q8_1", "mmq", "int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights repacked "
+          "to int8 rows + fp32 scales, split Q8_1 activations, llama.cpp's per-block epilogue in fp32, split-K "
+          "when the grid would leave SMs idle", min_cc=80, activation_layout="split"),
+    _cuda("gemv", "q8_1", "split", "M <= 8: a warp per weight row streaming 16-byte loads with several in "
+          "flight, split Q8_1 activations read with 16-byte loads, up to 8 rows per weight load", min_cc=61,
+          max_m=8, activation_layout="split"),
 ):
     KERNELS[_spec.name] = _spec
 

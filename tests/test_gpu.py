@@ -58,11 +58,12 @@ def expected(spec_format: str, type_name: str, raw: np.ndarray, x: np.ndarray, q
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
-def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("layout", ["blocks", "split"])
+def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str) -> None:
     for m, k in ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
         x[0, :32] = 0.0  # a zero block
-        got, want = backend.quantize(x), ref.quantize_q8_1(x)
+        got, want = backend.quantize(x, layout), ref.quantize_q8_1(x)
         assert np.array_equal(got.q, want.q)
         assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16))
         # the sum: within one half-precision ulp of the reference (summation order)
@@ -135,6 +136,8 @@ def test_api_on_gpu_demo_tensors(gpu_client, gpu_models_dir: Path, rng: np.rando
         want_by_m[m] = (x, _oracle(gpu_models_dir / "demo.gguf", name, x))
     for kernel in ["auto", *CUDA_KERNELS]:
         for m, (x, want) in want_by_m.items():
+            if kernel != "auto" and KERNELS[kernel].shape_reason("Q4_0", m, 4096, k):
+                continue  # a kernel that says it cannot run this M (gemv above 8) is tested for its 422 elsewhere
             buf = io.BytesIO()
             np.save(buf, x)
             r = gpu_client.post(f"/v1/matmul?model=demo&tensor={name}&kernel={kernel}", content=buf.getvalue(),

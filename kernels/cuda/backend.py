@@ -23,7 +23,6 @@ from kernels.cpu import Result, Weights
 from kernels.cuda import launch
 from kernels.cuda.modules import SOURCES, Modules
 from kernels.errors import DeviceOutOfMemory
-from kernels.formats import QK
 from kernels.registry import KERNELS, KernelSpec
 from models.resident import ResidentWeights, is_oom
 
@@ -155,12 +154,13 @@ class CudaBackend:
             ev[0].record(s)
             x_d = cupy.asarray(x)
             ev[1].record(s)
-            acts: cupy.ndarray
+            acts: Any
             if spec.activation_format == "q8_1":
-                acts = cupy.empty(m * (k // QK) * launch.Q8_1_BYTES, dtype=cupy.uint8)
+                acts = launch.q8_1_buffers(spec, m, k)
                 if poison:
-                    acts.fill(POISON_Q8_1)
-                launch.quantize_q8_1(self.modules, x_d, acts)
+                    for buf in acts.values() if isinstance(acts, dict) else [acts]:
+                        buf.view(cupy.uint8).fill(POISON_Q8_1)
+                launch.quantize_into(self.modules, spec, x_d, acts)
             elif spec.activation_format == "f16":
                 acts = x_d.astype(cupy.float16)
             else:
@@ -176,22 +176,26 @@ class CudaBackend:
             ev[4].synchronize()
             q8_1 = None
             if keep_q8_1 and spec.activation_format == "q8_1":
-                q8_1 = reference.Q8_1.from_blocks(cupy.asnumpy(acts).reshape(m, -1))
+                q8_1 = launch.q8_1_to_host(acts, m)
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": weights_ms + sum(t)}
         return Result(y, self.name, spec.activation_format, timing, q8_1)
 
-    def quantize(self, x: np.ndarray) -> reference.Q8_1:
-        """The device's Q8_1 of x (for tests and the bench)."""
+    def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
+        """The device's Q8_1 of x in either activation layout (for tests and the bench)."""
+        spec = KERNELS["mmq" if layout == "split" else "dp4a"]
+
         def run() -> reference.Q8_1:
             with self.stream as s:
                 x_d = cupy.asarray(np.ascontiguousarray(x, dtype=np.float32))
-                out = cupy.full(x.size // QK * launch.Q8_1_BYTES, POISON_Q8_1, dtype=cupy.uint8)
-                launch.quantize_q8_1(self.modules, x_d, out)
-                host = cupy.asnumpy(out, stream=s)
+                acts = launch.q8_1_buffers(spec, *x.shape)
+                for buf in acts.values() if isinstance(acts, dict) else [acts]:
+                    buf.view(cupy.uint8).fill(POISON_Q8_1)
+                launch.quantize_into(self.modules, spec, x_d, acts)
+                out = launch.q8_1_to_host(acts, x.shape[0])
                 s.synchronize()
-            return reference.Q8_1.from_blocks(host.reshape(x.shape[0], -1))
+            return out
         return self._call(run)
 
 

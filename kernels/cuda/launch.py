@@ -46,6 +46,61 @@ def _vec_dp4a(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: i
                                                 (w["qs"], w["d"], a, y, I32(m), I32(n), I32(k)))
 
 
+def quantize_q8_1_split(mods: Any, x: cupy.ndarray, qs: cupy.ndarray, ds: cupy.ndarray) -> None:
+    n = x.size
+    mods.function("q8_1.cu", "quantize_q8_1_split")((cdiv(n, 256),), (256,), (x, qs, ds, I64(n)))
+
+
+def q8_1_buffers(spec: KernelSpec, m: int, k: int) -> Any:
+    """Device buffers for the activations of `spec` (uninitialised)."""
+    if spec.activation_layout == "split":
+        return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
+    return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
+
+
+def quantize_into(mods: Any, spec: KernelSpec, x: cupy.ndarray, acts: Any) -> None:
+    if spec.activation_layout == "split":
+        quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
+    else:
+        quantize_q8_1(mods, x, acts)
+
+
+def q8_1_to_host(acts: Any, m: int) -> Any:
+    from kernels.reference import Q8_1
+
+    if isinstance(acts, dict):
+        ds = cupy.asnumpy(acts["ds"])
+        return Q8_1(cupy.asnumpy(acts["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
+    return Q8_1.from_blocks(cupy.asnumpy(acts).reshape(m, -1))
+
+
+MMQ_BM, MMQ_BN, MMQ_BKB = 64, 128, 4
+
+
+def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
+    """Split K when the output tiles alone would leave SMs idle (two blocks per SM wanted)."""
+    tiles = cdiv(n, MMQ_BN) * cdiv(m, MMQ_BM)
+    stages = cdiv(k // QK, MMQ_BKB)
+    return max(1, min(stages, cdiv(2 * sm_count, tiles))) if tiles < 2 * sm_count else 1
+
+
+def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    splits = mmq_splits(mods.sm_count, m, n, k)
+    kb = k // QK
+    per = cdiv(cdiv(kb, splits), MMQ_BKB) * MMQ_BKB
+    splits = cdiv(kb, per)
+    if splits > 1:
+        y.fill(0)
+    mods.function("fast.cu", f"mmq_{t}")((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (256,),
+                                         (w["wq"], w["wd"], a["qs"], a["ds"], y, I32(m), I32(n), I32(k), I32(per),
+                                          I32(splits > 1)))
+
+
+def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    mods.function("fast.cu", f"gemv_{t}")((cdiv(n, 8),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y, I32(m),
+                                                                   I32(n), I32(k)))
+
+
 _ONE = np.array(1.0, np.float32)
 _ZERO = np.array(0.0, np.float32)
 
@@ -75,11 +130,14 @@ LAUNCHERS: dict[str, Callable[..., None]] = {
     "w16_tiled": _tiled("w16.cu", "w16_tiled", 64, 64),
     "cublas_f16": _cublas_f16,
     "cublas_f32": _cublas_f32,
+    "mmq": _mmq,
+    "gemv": _gemv,
 }
 
 SOURCE_OF: dict[str, str] = {"naive": "ladder.cu", "dp4a": "ladder.cu", "tiled": "ladder.cu",
                              "tiled_dp4a": "ladder.cu", "vec_dp4a": "ladder.cu", "w16_naive": "w16.cu",
-                             "w16_tiled": "w16.cu", "cublas_f16": "w16.cu", "cublas_f32": "w16.cu"}
+                             "w16_tiled": "w16.cu", "cublas_f16": "w16.cu", "cublas_f32": "w16.cu",
+                             "mmq": "fast.cu", "gemv": "fast.cu"}
 
 
 def suffix(type_name: str) -> str:
@@ -92,7 +150,7 @@ def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     kb = k // QK
     return {"gguf": n * kb * fmt.block_bytes,
             "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
-            "f16": n * k * 2, "f32": n * k * 4}.get(layout, n * kb * fmt.block_bytes)
+            "f16": n * k * 2, "f32": n * k * 4, "mmq": n * k + n * kb * 4}[layout]
 
 
 FORMATS_BY_NAME = {f.name: f for f in FORMATS.values()}
@@ -115,6 +173,12 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         fn((cdiv(n * k, 256),), (256,), (w, out, I64(n * k)))
         del w
         return {"w": out}
+    if layout == "mmq":  # int8 rows (Q4_0 widened to 0..15) and fp32 scales, repacked on the host once
+        from kernels.reference import unpack_blocks
+
+        q, d = unpack_blocks(type_name, raw)
+        return {"wq": cupy.asarray(np.ascontiguousarray(q).view(np.int8)),
+                "wd": cupy.asarray(d.astype(np.float32))}
     raise ValueError(f"unknown weight layout {layout!r}")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import cupy
 
 HERE = Path(__file__).parent
-SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "peak.cu")
+SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "fast.cu", "peak.cu")
 
 
 def source(name: str) -> str:
@@ -41,6 +41,7 @@ class Modules:
             except Exception as exc:  # keep the other modules usable; the registry reports why
                 self.errors[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
         self.compile_ms = (time.perf_counter() - t0) * 1e3
+        self.sm_count = int(cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
 
     def function(self, source_name: str, name: str) -> cupy.RawKernel:
         fn = self._functions.get(name)
