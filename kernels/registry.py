@@ -94,9 +94,9 @@ for _spec in (
     _cuda("mmq", "q8_1", "mmq", "int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights repacked "
           "to int8 rows + fp32 scales, split Q8_1 activations, llama.cpp's per-block epilogue in fp32, split-K "
           "when the grid would leave SMs idle", min_cc=80, activation_layout="split"),
-    _cuda("gemv", "q8_1", "split", "M <= 8: a warp per weight row streaming 16-byte loads with several in "
-          "flight, split Q8_1 activations read with 16-byte loads, up to 8 rows per weight load", min_cc=61,
-          max_m=8, activation_layout="split"),
+    _cuda("gemv", "q8_1", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
+          "16-byte loads with several in flight (dp4a); 2..8 a skinny int8 MMA (16 weight rows x 8 activation "
+          "rows) with K split across the block's warps", min_cc=80, max_m=8, activation_layout="split"),
 ):
     KERNELS[_spec.name] = _spec
 

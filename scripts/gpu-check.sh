@@ -3,7 +3,7 @@
 # tests and the bench.  Carry .whl (../shared/device/wheels.sh) and .carry/models (a GGUF holding
 # SmolLM2's token_embd.weight: `qgemm cut SmolLM2-135M-Instruct.Q4_1.gguf
 # .carry/models/SmolLM2-135M-Instruct.token_embd.gguf --tensor token_embd.weight`).
-#   usage: scripts/gpu-check.sh [tests|bench|all] [bench args...]
+#   usage: scripts/gpu-check.sh [tests|bench|profile|all] [bench args...]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,6 +16,13 @@ rc=0
 if [[ $what == tests || $what == all ]]; then
   timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
   rc=${PIPESTATUS[0]}
+fi
+if [[ $what == profile || $what == all ]]; then
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 300 "$ncu" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section MemoryWorkloadAnalysis -k regex:'mmq|gemv|quantize' python3 scripts/profile_kernels.py \
+    > "$OUT/ncu.txt" 2>&1
+  grep -E "^  [a-z_0-9]+ \(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occ" "$OUT/ncu.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout 540 python3 -m app.cli bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^|" | tail -400

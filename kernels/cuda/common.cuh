@@ -52,6 +52,7 @@ __device__ __forceinline__ int dot4(int a, int b, int acc) {
 // epilogue: llama.cpp's vec_dot_*_q8_1_impl for one whole block.
 struct Q4_0 {
     static constexpr int BYTES = 18, QS_BYTES = 16, WORDS = 4;  // 4 packed words give 8 value words
+    static constexpr bool OFFSET8 = true;  // q in 0..15: the epilogue subtracts 8 * s_a
     __device__ static float scale(const u8* b) { return load_half(b); }
     __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
     template <bool DP4A>
@@ -76,6 +77,7 @@ struct Q4_0 {
 
 struct Q8_0 {
     static constexpr int BYTES = 34, QS_BYTES = 32, WORDS = 8;
+    static constexpr bool OFFSET8 = false;
     __device__ static float scale(const u8* b) { return load_half(b); }
     __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
     template <bool DP4A>
@@ -132,6 +134,18 @@ __device__ __forceinline__ void load_q8_1(const block_q8_1& blk, int* a, float2&
     for (int i = 0; i < 8; ++i) a[i] = q[i];
     ds = __half22float2(blk.ds);
 }
+
+// ---- asynchronous global -> shared copies (sm_80+); a false predicate zero-fills ----
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Define extern "C" entry points for both weight types from one template.
 #define QGEMM_FOR_TYPES(MACRO) MACRO(q4_0, Q4_0) MACRO(q8_0, Q8_0)

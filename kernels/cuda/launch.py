@@ -25,8 +25,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def quantize_q8_1(mods: Any, x: cupy.ndarray, out: cupy.ndarray) -> None:
-    n = x.size
-    mods.function("q8_1.cu", "quantize_q8_1")((cdiv(n, 256),), (256,), (x, out, I64(n)))
+    n = x.size  # 4 values a thread
+    mods.function("q8_1.cu", "quantize_q8_1")((cdiv(n, 1024),), (256,), (x, out, I64(n)))
 
 
 def _thread_per_output(src: str, base: str) -> Callable[..., None]:
@@ -48,7 +48,7 @@ def _vec_dp4a(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: i
 
 def quantize_q8_1_split(mods: Any, x: cupy.ndarray, qs: cupy.ndarray, ds: cupy.ndarray) -> None:
     n = x.size
-    mods.function("q8_1.cu", "quantize_q8_1_split")((cdiv(n, 256),), (256,), (x, qs, ds, I64(n)))
+    mods.function("q8_1.cu", "quantize_q8_1_split")((cdiv(n, 1024),), (256,), (x, qs, ds, I64(n)))
 
 
 def q8_1_buffers(spec: KernelSpec, m: int, k: int) -> Any:
@@ -74,14 +74,16 @@ def q8_1_to_host(acts: Any, m: int) -> Any:
     return Q8_1.from_blocks(cupy.asnumpy(acts).reshape(m, -1))
 
 
-MMQ_BM, MMQ_BN, MMQ_BKB = 64, 128, 4
+MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_LD = 64, 128, 4, 36
+MMQ_SMEM = 2 * 4 * (MMQ_BM * MMQ_LD + MMQ_BN * MMQ_LD + MMQ_BM * MMQ_BKB + MMQ_BN * MMQ_BKB)  # as fast.cu
 
 
 def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
-    """Split K when the output tiles alone would leave SMs idle (two blocks per SM wanted)."""
+    """Split K when the output tiles alone would leave SMs idle: as many splits as keep the grid within one
+    wave of two blocks per SM (rounding up would start a second, mostly empty wave)."""
     tiles = cdiv(n, MMQ_BN) * cdiv(m, MMQ_BM)
     stages = cdiv(k // QK, MMQ_BKB)
-    return max(1, min(stages, cdiv(2 * sm_count, tiles))) if tiles < 2 * sm_count else 1
+    return max(1, min(stages, (2 * sm_count) // tiles)) if tiles < sm_count else 1
 
 
 def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
@@ -91,14 +93,21 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     splits = cdiv(kb, per)
     if splits > 1:
         y.fill(0)
-    mods.function("fast.cu", f"mmq_{t}")((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (256,),
-                                         (w["wq"], w["wd"], a["qs"], a["ds"], y, I32(m), I32(n), I32(k), I32(per),
-                                          I32(splits > 1)))
+    fn = mods.function("fast.cu", f"mmq_{t}")
+    if fn.max_dynamic_shared_size_bytes < MMQ_SMEM:
+        fn.max_dynamic_shared_size_bytes = MMQ_SMEM  # two stages of 30 KiB: over the 48 KiB default
+    fn((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (256,),
+       (w["wq"], w["wd"], a["qs"], a["ds"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
+       shared_mem=MMQ_SMEM)
 
 
 def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
-    mods.function("fast.cu", f"gemv_{t}")((cdiv(n, 8),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y, I32(m),
-                                                                   I32(n), I32(k)))
+    if m == 1:  # a warp per weight row, dp4a
+        mods.function("fast.cu", f"gemv1_{t}")((cdiv(n, 8),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y, I32(n),
+                                                                        I32(k)))
+    else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA
+        mods.function("fast.cu", f"skinny1_{t}")((cdiv(n, 16),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y,
+                                                                          I32(m), I32(n), I32(k)))
 
 
 _ONE = np.array(1.0, np.float32)

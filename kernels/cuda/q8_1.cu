@@ -1,31 +1,62 @@
-// On-device FP32 -> Q8_1, as llama.cpp's quantize_q8_1: one warp per 32-value block.
+// On-device FP32 -> Q8_1, as llama.cpp's quantize_q8_1: d = amax/127, q = roundf(x/d), ds = (d, sum x).
+// Each thread takes 4 consecutive values (one float4 load), 8 threads a 32-value block.  The sum keeps
+// the warp butterfly's order exactly (offsets 16, 8, 4 are lane xors 4, 2, 1; offsets 2, 1 are inside
+// the thread: (v0 + v2) + (v1 + v3)), so it matches the reference bit for bit.
 #include "common.cuh"
 
-// x: [M, K] row-major fp32, y: [M, K/32] blocks; n_values = M*K (a multiple of 32).
-extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1* __restrict__ y,
-                                         long long n_values) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_values) return;  // whole warps leave together: n_values and blockDim are multiples of 32
-    const float xi = x[i];
-    const float amax = warp_max(fabsf(xi));
-    const float sum = warp_sum(xi);
-    const float d = amax / 127.0f;  // IEEE division (no fast math): the reference's q bit for bit
-    const i8 q = amax == 0.0f ? i8(0) : i8(roundf(xi / d));
-    block_q8_1& b = y[i / QK];
-    b.qs[i % QK] = q;
-    if (i % QK == 0) b.ds = make_half2(__float2half(d), __float2half(sum));
+struct Q8_1Block4 {
+    int packed;   // this thread's 4 quants
+    float d, sum; // the block's scale and sum (the same in all 8 threads)
+};
+
+__device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
+    float s[4] = {v.x, v.y, v.z, v.w};
+    float m[4] = {fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w)};
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+            m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], off));
+        }
+    }
+    Q8_1Block4 r;
+    r.sum = (s[0] + s[2]) + (s[1] + s[3]);
+    const float amax = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+    r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's q bit for bit
+    const float x[4] = {v.x, v.y, v.z, v.w};
+    r.packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int q = amax == 0.0f ? 0 : int(roundf(x[j] / r.d));
+        r.packed |= (q & 0xff) << (8 * j);
+    }
+    return r;
 }
 
-// The same quantization written straight into the split layout the fast kernels read: int8 rows
-// qs [M, K] (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
+// x: [M, K] row-major fp32; n_values = M*K (a multiple of 32).  Threads past the end work on zeros
+// and write nothing, so every lane takes part in the shuffles.
+extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1* __restrict__ y,
+                                         long long n_values) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    const bool active = i < n_values;
+    const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const Q8_1Block4 r = quantize4(v);
+    if (!active) return;
+    block_q8_1& b = y[i / QK];
+    reinterpret_cast<int*>(b.qs)[(i % QK) / 4] = r.packed;
+    if (i % QK == 0) b.ds = make_half2(__float2half(r.d), __float2half(r.sum));
+}
+
+// The same, written straight into the split layout the fast kernels read: int8 rows qs [M, K]
+// (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
 extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* __restrict__ qs,
                                                __half2* __restrict__ ds, long long n_values) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_values) return;
-    const float xi = x[i];
-    const float amax = warp_max(fabsf(xi));
-    const float sum = warp_sum(xi);
-    const float d = amax / 127.0f;
-    qs[i] = amax == 0.0f ? i8(0) : i8(roundf(xi / d));
-    if (i % QK == 0) ds[i / QK] = make_half2(__float2half(d), __float2half(sum));
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    const bool active = i < n_values;
+    const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const Q8_1Block4 r = quantize4(v);
+    if (!active) return;
+    *reinterpret_cast<int*>(qs + i) = r.packed;
+    if (i % QK == 0) ds[i / QK] = make_half2(__float2half(r.d), __float2half(r.sum));
 }

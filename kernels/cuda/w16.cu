@@ -12,9 +12,11 @@ __device__ void w16_naive(const u8* __restrict__ W, const float* __restrict__ X,
     const u8* w = W + (size_t)n * KB * T::BYTES;
     const float* x = X + (size_t)m * K;
     float acc = 0.0f;
-    for (int kb = 0; kb < KB; ++kb) {
+    for (int kb = 0; kb < KB; ++kb) {  // a sum per 32-value block, then over blocks: two-level rounding
         const u8* b = w + (size_t)kb * T::BYTES;
-        for (int j = 0; j < QK; ++j) acc += x[kb * QK + j] * T::value(b, j);
+        float blk = 0.0f;
+        for (int j = 0; j < QK; ++j) blk += x[kb * QK + j] * T::value(b, j);
+        acc += blk;
     }
     Y[(size_t)m * N + n] = acc;
 }
@@ -39,6 +41,7 @@ __device__ void w16_tiled(const u8* __restrict__ W, const float* __restrict__ X,
             sW[k][r] = n < N ? T::value(W + ((size_t)n * KB + kb) * T::BYTES, k) : 0.0f;
         }
         __syncthreads();
+        float blk[4][4] = {};  // this block's partial sums, added to acc once: two-level rounding
 #pragma unroll 8
         for (int k = 0; k < QK; ++k) {
             float a[4], b[4];
@@ -47,8 +50,12 @@ __device__ void w16_tiled(const u8* __restrict__ W, const float* __restrict__ X,
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+                for (int j = 0; j < 4; ++j) blk[i][j] += a[i] * b[j];
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] += blk[i][j];
         __syncthreads();
     }
 #pragma unroll
