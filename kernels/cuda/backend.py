@@ -84,9 +84,10 @@ class CudaBackend:
         return self.modules.compile_ms
 
     def kernel_reason(self, spec: KernelSpec) -> str | None:
-        src = launch.SOURCE_OF.get(spec.name)
-        if src is None:
+        entry = launch.LAUNCHERS.get(spec.name)
+        if entry is None:
             return "no launcher for this kernel"
+        src = entry.source
         if src in self.modules.errors:
             return f"{src} failed to compile: {self.modules.errors[src]}"
         if src not in self.modules.modules:
@@ -198,5 +199,3 @@ class CudaBackend:
             return out
         return self._call(run)
 
-
-__all__ = ["CudaBackend", "cuda_device_present", "KERNELS"]

@@ -147,5 +147,15 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pre
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// One thread per output Y[m, n] (threadIdx.x along N, threadIdx.y along M), for the naive rungs:
+// its coordinates, or false when the thread lies past the matrix; and its weight row's first block.
+__device__ __forceinline__ bool output_of_thread(int M, int N, int& m, int& n) {
+    n = blockIdx.x * blockDim.x + threadIdx.x;
+    m = blockIdx.y * blockDim.y + threadIdx.y;
+    return n < N && m < M;
+}
+template <typename T>
+__device__ __forceinline__ const u8* weight_row(const u8* W, int n, int K) { return W + (size_t)n * (K / QK) * T::BYTES; }
+
 // Define extern "C" entry points for both weight types from one template.
 #define QGEMM_FOR_TYPES(MACRO) MACRO(q4_0, Q4_0) MACRO(q8_0, Q8_0)

@@ -6,11 +6,10 @@
 template <typename T, bool DP4A>
 __device__ void thread_per_output(const u8* __restrict__ W, const block_q8_1* __restrict__ A, float* __restrict__ Y,
                                   int M, int N, int K) {
-    const int n = blockIdx.x * blockDim.x + threadIdx.x;
-    const int m = blockIdx.y * blockDim.y + threadIdx.y;
-    if (n >= N || m >= M) return;
+    int m, n;
+    if (!output_of_thread(M, N, m, n)) return;
     const int KB = K / QK;
-    const u8* w = W + (size_t)n * KB * T::BYTES;
+    const u8* w = weight_row<T>(W, n, K);
     const block_q8_1* a = A + (size_t)m * KB;
     float acc = 0.0f;
     for (int kb = 0; kb < KB; ++kb) {

@@ -8,16 +8,24 @@ enqueues on the current stream.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cupy
 import numpy as np
+from gguf import GGMLQuantizationType
 
-from kernels.formats import FORMATS, QK
+from kernels.formats import FORMATS, QK, format_of
 from kernels.registry import KernelSpec
 
-Q8_1_BYTES = 36
+Q8_1_BYTES = FORMATS[GGMLQuantizationType.Q8_1].block_bytes
 I32, I64 = np.int32, np.int64
+
+
+@dataclass(frozen=True)
+class Launch:
+    source: str  # the .cu file the kernel needs compiled (for cuBLAS: the one holding its dequantizer)
+    fn: Callable[..., None]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,16 +37,16 @@ def quantize_q8_1(mods: Any, x: cupy.ndarray, out: cupy.ndarray) -> None:
     mods.function("q8_1.cu", "quantize_q8_1")((cdiv(n, 1024),), (256,), (x, out, I64(n)))
 
 
-def _thread_per_output(src: str, base: str) -> Callable[..., None]:
+def _thread_per_output(src: str, base: str) -> Launch:
     def launch(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
         mods.function(src, f"{base}_{t}")((cdiv(n, 32), cdiv(m, 8)), (32, 8), (w["w"], a, y, I32(m), I32(n), I32(k)))
-    return launch
+    return Launch(src, launch)
 
 
-def _tiled(src: str, base: str, bm: int, bn: int) -> Callable[..., None]:
+def _tiled(src: str, base: str, bm: int, bn: int) -> Launch:
     def launch(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
         mods.function(src, f"{base}_{t}")((cdiv(n, bn), cdiv(m, bm)), (256,), (w["w"], a, y, I32(m), I32(n), I32(k)))
-    return launch
+    return Launch(src, launch)
 
 
 def _vec_dp4a(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
@@ -129,24 +137,19 @@ def _cublas_f32(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m:
     cupy.matmul(a, w["w"].T, out=y)
 
 
-LAUNCHERS: dict[str, Callable[..., None]] = {
+LAUNCHERS: dict[str, Launch] = {
     "naive": _thread_per_output("ladder.cu", "naive"),
     "dp4a": _thread_per_output("ladder.cu", "dp4a"),
     "tiled": _tiled("ladder.cu", "tiled", 16, 16),
     "tiled_dp4a": _tiled("ladder.cu", "tiled_dp4a", 64, 64),
-    "vec_dp4a": _vec_dp4a,
+    "vec_dp4a": Launch("ladder.cu", _vec_dp4a),
     "w16_naive": _thread_per_output("w16.cu", "w16_naive"),
     "w16_tiled": _tiled("w16.cu", "w16_tiled", 64, 64),
-    "cublas_f16": _cublas_f16,
-    "cublas_f32": _cublas_f32,
-    "mmq": _mmq,
-    "gemv": _gemv,
+    "cublas_f16": Launch("w16.cu", _cublas_f16),
+    "cublas_f32": Launch("w16.cu", _cublas_f32),
+    "mmq": Launch("fast.cu", _mmq),
+    "gemv": Launch("fast.cu", _gemv),
 }
-
-SOURCE_OF: dict[str, str] = {"naive": "ladder.cu", "dp4a": "ladder.cu", "tiled": "ladder.cu",
-                             "tiled_dp4a": "ladder.cu", "vec_dp4a": "ladder.cu", "w16_naive": "w16.cu",
-                             "w16_tiled": "w16.cu", "cublas_f16": "w16.cu", "cublas_f32": "w16.cu",
-                             "mmq": "fast.cu", "gemv": "fast.cu"}
 
 
 def suffix(type_name: str) -> str:
@@ -155,19 +158,18 @@ def suffix(type_name: str) -> str:
 
 # ---- weight layouts ----------------------------------------------------------------------------
 def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
-    fmt = FORMATS_BY_NAME[type_name]
+    fmt = format_of(type_name)
+    assert fmt is not None
     kb = k // QK
     return {"gguf": n * kb * fmt.block_bytes,
             "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
             "f16": n * k * 2, "f32": n * k * 4, "mmq": n * k + n * kb * 4}[layout]
 
 
-FORMATS_BY_NAME = {f.name: f for f in FORMATS.values()}
-
-
 def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int, k: int) -> dict[str, cupy.ndarray]:
     """Upload a tensor's GGUF bytes and turn them into `layout` on the device."""
-    fmt = FORMATS_BY_NAME[type_name]
+    fmt = format_of(type_name)
+    assert fmt is not None
     kb = k // QK
     if layout == "split":  # regroup on the host (a strided view), upload quants and scales apart
         blocks = np.asarray(raw, dtype=np.uint8).reshape(n, kb, fmt.block_bytes)
@@ -193,4 +195,4 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
 
 def launch_gemm(mods: Any, spec: KernelSpec, type_name: str, w: dict, acts: cupy.ndarray, y: cupy.ndarray,
                 m: int, n: int, k: int) -> None:
-    LAUNCHERS[spec.name](mods, suffix(type_name), w, acts, y, m, n, k)
+    LAUNCHERS[spec.name].fn(mods, suffix(type_name), w, acts, y, m, n, k)

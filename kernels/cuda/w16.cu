@@ -5,11 +5,10 @@
 template <typename T>
 __device__ void w16_naive(const u8* __restrict__ W, const float* __restrict__ X, float* __restrict__ Y,
                           int M, int N, int K) {
-    const int n = blockIdx.x * blockDim.x + threadIdx.x;
-    const int m = blockIdx.y * blockDim.y + threadIdx.y;
-    if (n >= N || m >= M) return;
+    int m, n;
+    if (!output_of_thread(M, N, m, n)) return;
     const int KB = K / QK;
-    const u8* w = W + (size_t)n * KB * T::BYTES;
+    const u8* w = weight_row<T>(W, n, K);
     const float* x = X + (size_t)m * K;
     float acc = 0.0f;
     for (int kb = 0; kb < KB; ++kb) {  // a sum per 32-value block, then over blocks: two-level rounding
