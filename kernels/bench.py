@@ -160,12 +160,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 continue
                             copies = layouts[spec.weight_layout]
                             fmt = spec.activation_format
-                            a = launch.q8_1_buffers(spec, m, k) if fmt == "q8_1" else None
+                            a = launch.q8_1_buffers(spec.activation_layout, m, k) if fmt == "q8_1" else None
                             xh = cupy.empty((m, k), dtype=cupy.float16) if fmt == "f16" else None
 
                             def prep(spec=spec, x=x, a=a, xh=xh, fmt=fmt) -> Any:
                                 if fmt == "q8_1":
-                                    launch.quantize_into(mods, spec, x, a)
+                                    launch.quantize_into(mods, spec.activation_layout, x, a)
                                     return a
                                 if fmt == "f16":  # into a buffer made beforehand: graphs cannot allocate
                                     cupy.copyto(xh, x)

@@ -23,10 +23,12 @@ class KernelSpec:
     activation_format: Literal["q8_1", "f32", "f16"]
     description: str
     min_cc: int = 0  # compute capability as major*10+minor; 0 for the CPU
+    max_cc: int | None = None  # for architecture-specific instructions (sm_90a's wgmma exists on 9.0 only)
     k_multiple: int = QK
     max_m: int | None = None
     weight_layout: str = "gguf"  # the layout its weights are uploaded in (cached per layout)
-    activation_layout: str = "blocks"  # Q8_1 as block_q8_1 records, or "split" (int8 rows + half2 scales)
+    # Q8_1 as block_q8_1 records, "split" (int8 rows + half2 scales) or "mmq" (int8 rows + scales as mmq reads them)
+    activation_layout: str = "blocks"
 
     def shape_reason(self, type_name: str, m: int, n: int, k: int) -> str | None:
         if type_name not in self.weight_types:
@@ -47,6 +49,9 @@ class KernelSpec:
             return "needs a CUDA GPU through CuPy; this server runs on the CPU backend"
         if cuda_cc < self.min_cc:
             return f"needs compute capability {self.min_cc / 10:.1f}; the device has {cuda_cc / 10:.1f}"
+        if self.max_cc is not None and cuda_cc > self.max_cc:
+            return (f"uses instructions of compute capability {self.min_cc / 10:.1f} to {self.max_cc / 10:.1f} only; "
+                    f"the device has {cuda_cc / 10:.1f}")
         return None
 
     def can_run(self, type_name: str, m: int, n: int, k: int, cuda_cc: int | None) -> str | None:
@@ -92,8 +97,12 @@ for _spec in (
           "to fp16, cuBLAS GemmEx with fp32 accumulation and output"),
     _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 on the GPU (cached), cuBLAS SGEMM"),
     _cuda("mmq", "q8_1", "mmq", "int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights repacked "
-          "to int8 rows + fp32 scales, split Q8_1 activations, llama.cpp's per-block epilogue in fp32, split-K "
-          "when the grid would leave SMs idle", min_cc=80, activation_layout="split"),
+          "to int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout the kernel reads, "
+          "llama.cpp's per-block epilogue in two fp32 FMAs (Q4_0's s-term as an fp16 MMA), 2-stage cp.async "
+          "pipeline, split-K when the grid would leave SMs idle", min_cc=80, activation_layout="mmq"),
+    _cuda("mmq_wgmma", "q8_1", "mmq", "mmq's tiles, layouts and epilogue through Hopper's asynchronous wgmma "
+          "(m64n64k32, operands read from shared memory by descriptor, the epilogue of one half overlapping the "
+          "next half's MMA)", min_cc=90, max_cc=90, activation_layout="mmq"),
     _cuda("gemv", "q8_1", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a); 2..8 a skinny int8 MMA (16 weight rows x 8 activation "
           "rows) with K split across the block's warps", min_cc=80, max_m=8, activation_layout="split"),

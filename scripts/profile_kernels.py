@@ -33,8 +33,8 @@ def main() -> None:
         spec = KERNELS[kernel]
         w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
         x = cupy.asarray(np.random.default_rng().standard_normal((m, k)).astype(np.float32))
-        acts = launch.q8_1_buffers(spec, m, k)
-        launch.quantize_into(mods, spec, x, acts)
+        acts = launch.q8_1_buffers(spec.activation_layout, m, k)
+        launch.quantize_into(mods, spec.activation_layout, x, acts)
         y = cupy.empty((m, n), dtype=cupy.float32)
         launch.launch_gemm(mods, spec, type_name, w, acts, y, m, n, k)
         cupy.cuda.Device().synchronize()

@@ -58,7 +58,7 @@ def expected(spec_format: str, type_name: str, raw: np.ndarray, x: np.ndarray, q
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
-@pytest.mark.parametrize("layout", ["blocks", "split"])
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
 def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str) -> None:
     for m, k in ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
@@ -91,8 +91,9 @@ def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generato
 
 
 def test_every_cuda_kernel_is_available(backend) -> None:
-    for name in CUDA_KERNELS:
-        assert backend.kernel_reason(KERNELS[name]) is None, name
+    for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
+        if KERNELS[name].device_reason(backend.cc) is None:
+            assert backend.kernel_reason(KERNELS[name]) is None, name
 
 
 # ---- the service on the CUDA backend ---------------------------------------------------------

@@ -23,7 +23,7 @@ from kernels.cpu import Result, Weights
 from kernels.cuda import launch
 from kernels.cuda.modules import SOURCES, Modules
 from kernels.errors import DeviceOutOfMemory
-from kernels.registry import KERNELS, KernelSpec
+from kernels.registry import KernelSpec
 from models.resident import ResidentWeights, is_oom
 
 log = logging.getLogger("qgemm")
@@ -157,11 +157,11 @@ class CudaBackend:
             ev[1].record(s)
             acts: Any
             if spec.activation_format == "q8_1":
-                acts = launch.q8_1_buffers(spec, m, k)
+                acts = launch.q8_1_buffers(spec.activation_layout, m, k)
                 if poison:
                     for buf in acts.values() if isinstance(acts, dict) else [acts]:
                         buf.view(cupy.uint8).fill(POISON_Q8_1)
-                launch.quantize_into(self.modules, spec, x_d, acts)
+                launch.quantize_into(self.modules, spec.activation_layout, x_d, acts)
             elif spec.activation_format == "f16":
                 acts = x_d.astype(cupy.float16)
             else:
@@ -177,24 +177,23 @@ class CudaBackend:
             ev[4].synchronize()
             q8_1 = None
             if keep_q8_1 and spec.activation_format == "q8_1":
-                q8_1 = launch.q8_1_to_host(acts, m)
+                q8_1 = launch.q8_1_to_host(acts, m, k)
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": weights_ms + sum(t)}
         return Result(y, self.name, spec.activation_format, timing, q8_1)
 
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
-        """The device's Q8_1 of x in either activation layout (for tests and the bench)."""
-        spec = KERNELS["mmq" if layout == "split" else "dp4a"]
+        """The device's Q8_1 of x in an activation layout ("blocks", "split" or "mmq"; for tests)."""
 
         def run() -> reference.Q8_1:
             with self.stream as s:
                 x_d = cupy.asarray(np.ascontiguousarray(x, dtype=np.float32))
-                acts = launch.q8_1_buffers(spec, *x.shape)
+                acts = launch.q8_1_buffers(layout, *x.shape)
                 for buf in acts.values() if isinstance(acts, dict) else [acts]:
                     buf.view(cupy.uint8).fill(POISON_Q8_1)
-                launch.quantize_into(self.modules, spec, x_d, acts)
-                out = launch.q8_1_to_host(acts, x.shape[0])
+                launch.quantize_into(self.modules, layout, x_d, acts)
+                out = launch.q8_1_to_host(acts, *x.shape)
                 s.synchronize()
             return out
         return self._call(run)

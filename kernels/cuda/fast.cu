@@ -4,24 +4,47 @@
 // one 32-value block is one MMA's K, so sumi is the exact integer block dot, scaled in fp32.
 #include "common.cuh"
 
-// ---- mmq --------------------------------------------------------------------------------------
-// Weights repacked at upload ("mmq" layout): wq int8 [N, K] (Q4_0 widened to 0..15), wd fp32 [N, K/32].
-// Tile 64 (M) x 128 (N) per block of 8 warps, each warp 32 x 32 (2 x 4 MMAs per K block).  K moves in
-// stages of 4 blocks (128 values) through two shared-memory buffers filled by cp.async, so the next
-// stage loads while this one computes.  Rows are padded to 36 words so that a warp's fragment loads
-// hit 32 distinct banks.  Split-K over gridDim.z adds into a zeroed Y.
+// ---- mmq ----------------------------------------------------------------------------------------
+// Both operands come tiled so that what one stage of one block needs is a few contiguous pieces:
+//   weights ("mmq" layout, repacked at upload), per 128-row tile and stage of 4 quant blocks:
+//     wq [N/128][SB][128 x 128] int8 (Q4_0 widened to 0..15), wd [N/128][SB][4][128] fp32 the scale the
+//     epilogue multiplies by (Q8_0: d_w; Q4_0: -d_w/8), wh [N/128][SB][128][4] half d_w (Q4_0's s-term);
+//   activations (quantize_q8_1_mmq, q8_1.cu), per 64-row tile and stage: qs, dc (d_a, -12582912*d_a), s.
+// Padding rows and blocks are zeros on the weight side, so a stage is always whole: no predicates.
+// A quant piece (rows x 128 bytes of K) is stored as 8 x 16-byte "core matrices": byte (r, k) at
+// ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16.  That is the canonical no-swizzle K-major layout that wgmma reads
+// through a descriptor (LBO 128: next 16 bytes of K, SBO 1024: next 8 rows), and each 8-lane phase of an
+// ldmatrix reads one whole 128-byte matrix, so both kernels read it without bank conflicts.
+//
+// A block of 4 warps computes a 64 x 128 tile, each warp 32 x 64 (2 x 8 MMAs per quant block).  K moves
+// a stage at a time through MMQ_STAGES shared-memory buffers filled by cp.async, one barrier per stage.
+// Split-K over gridDim.z adds into a zeroed Y.
+//
+// The epilogue is two FFMAs per output and block, on top of the MMA:
+//   * the MMA adds onto C = bits of 1.5*2^23, so its result F is the float 12582912 + sumi exactly, and
+//     t = fma(F, d_a, -12582912*d_a) = round(d_a*sumi) in one instruction (-12582912*d_a is exact: d_a is
+//     a half, 11 significant bits, times 3*2^22);
+//   * acc = fma(t, w, acc) with w = d_w (Q8_0) or -d_w/8 (Q4_0).
+// Q4_0's -8*d_w*s_a term is a product of two halves, exact in fp32: it goes to the tensor cores as an
+// fp16 MMA (k = the stage's blocks) into the same accumulators, which then hold -out/8.
 #define MMQ_BM 64
 #define MMQ_BN 128
 #define MMQ_BKB 4
-#define MMQ_LD 36
-#define MMQ_STAGE (MMQ_BM * MMQ_LD + MMQ_BN * MMQ_LD + MMQ_BM * MMQ_BKB + MMQ_BN * MMQ_BKB)  // ints
-
-// The MMA accumulates into the bit pattern of 1.5 * 2^23: the int32 result is then a float whose value is
-// 12582912 + sumi exactly (|sumi| <= 32*127*127 < 2^22), and one FADD recovers (float)sumi, instead of an
-// int-to-float conversion that runs at a quarter of the FP32 rate on Hopper.
+#ifndef MMQ_STAGES  // -D overrides for tuning experiments; 2 stages measured best (3: +3%, 4: +25%)
+#define MMQ_STAGES 2
+#endif
+#ifndef MMQ_MIN_BLOCKS
+#define MMQ_MIN_BLOCKS 2
+#endif
+#define MMQ_THREADS 128
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
-__device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
+
+struct MmqSmem {  // byte offsets within one stage buffer: each global piece as it is
+    static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128;
+    static constexpr int WD = DC + MMQ_BKB * MMQ_BM * 8, SA = WD + MMQ_BKB * MMQ_BN * 4, WH = SA + MMQ_BM * 8;
+    static constexpr int STAGE = WH + MMQ_BN * 8, BYTES = MMQ_STAGES * STAGE;
+};
 
 // D = A*B + MAGIC_I in all four lanes: C is one constant register, so no per-MMA moves to reset it.
 __device__ __forceinline__ void mma_s8_magic(int* d, const int* a, const int* b) {
@@ -30,57 +53,14 @@ __device__ __forceinline__ void mma_s8_magic(int* d, const int* a, const int* b)
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(MAGIC_I));
 }
+__device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
 
-// What each thread copies per stage never changes but for the K offset: its rows, chunks, shared-memory
-// destinations and row predicates are worked out once, so a stage costs a pointer add per copy.
-// Thread tid copies A chunks tid and tid+256 (rows r, r+32; 16-byte chunk c of the 128-byte stage row),
-// B chunks tid + 256i (rows rb + 32i), the activation scale of (row tid%64, block tid/64) and the weight
-// scales of (row tid%128, blocks tid/128 and tid/128+2).
-struct MmqLoader {
-    const i8* a;       // row m0+r of aq at chunk c (clamped to row 0 when past M)
-    const i8* b;       // row n0+r of wq at chunk c
-    const __half2* s;  // ads at (m0 + tid%64, tid/64)
-    const float* d;    // wd at (n0 + tid%128, tid/128)
-    int r, c, sr, dr, M_left, N_left, K;
-
-    __device__ MmqLoader(const i8* aq, const i8* wq, const __half2* ads, const float* wd, int M, int N, int K_,
-                         int m0, int n0) {
-        const int tid = threadIdx.x, KB = K_ / QK;
-        K = K_;
-        r = tid >> 3;
-        c = tid & 7;
-        sr = tid & (MMQ_BM - 1);
-        dr = tid & (MMQ_BN - 1);
-        M_left = M - m0;
-        N_left = N - n0;
-        a = aq + (size_t)(r < M_left ? m0 + r : 0) * K + (c >> 1) * QK + (c & 1) * 16;
-        b = wq + (size_t)(r < N_left ? n0 + r : 0) * K + (c >> 1) * QK + (c & 1) * 16;
-        s = ads + (size_t)(sr < M_left ? m0 + sr : 0) * KB + (tid >> 6);
-        d = wd + (size_t)(dr < N_left ? n0 + dr : 0) * KB + (tid >> 7);
-    }
-
-    __device__ __forceinline__ void load(int* st, int kb0, int kb_end) const {
-        int* sA = st;
-        int* sB = sA + MMQ_BM * MMQ_LD;
-        int* sAds = sB + MMQ_BN * MMQ_LD;                                // [BKB][BM] half2 (d, s)
-        float* sBd = reinterpret_cast<float*>(sAds + MMQ_BM * MMQ_BKB);  // [BKB][BN]
-        const int tid = threadIdx.x;
-        const bool k_ok = kb0 + (c >> 1) < kb_end;
-        const size_t koff = (size_t)kb0 * QK;
-#pragma unroll
-        for (int i = 0; i < 2; ++i)  // A: rows r, r+32
-            cp_async16(&sA[(r + 32 * i) * MMQ_LD + c * 4], a + koff + (size_t)(32 * i) * K,
-                       k_ok && r + 32 * i < M_left);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)  // B: rows r, r+32, r+64, r+96
-            cp_async16(&sB[(r + 32 * i) * MMQ_LD + c * 4], b + koff + (size_t)(32 * i) * K,
-                       k_ok && r + 32 * i < N_left);
-        cp_async4(&sAds[tid], s + kb0, sr < M_left && kb0 + (tid >> 6) < kb_end);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-            cp_async4(&sBd[tid + 256 * i], d + kb0 + 2 * i, dr < N_left && kb0 + (tid >> 7) + 2 * i < kb_end);
-    }
-};
+// acc += A (16 x 8 halves) * B (8 x 8 halves), fp32 accumulate: the Q4_0 s-term.
+__device__ __forceinline__ void mma_f16_k8(float* acc, unsigned a0, unsigned a1, unsigned b0) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
 
 __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
@@ -89,96 +69,279 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
                  : "r"(a));
 }
 
+// One stage's copies: thread tid takes the 16-byte chunks tid + 128q of each piece, to the same offset in
+// shared memory.  a, b, dc, wd, sa, wh point at this block's first piece.
 template <typename T>
-__device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
-                    const __half2* __restrict__ ads, float* __restrict__ Y, int M, int N, int K, int kb_per_split,
-                    int atomic) {
-    extern __shared__ __align__(16) int smem[];
+__device__ __forceinline__ void mmq_load(char* st, const i8* a, const i8* b, const float2* dc, const float* wd,
+                                         const __half* sa, const __half* wh, int stage) {
+    const int tid = threadIdx.x;
+    const char* pa = reinterpret_cast<const char*>(a) + ((size_t)stage << 13) + tid * 16;
+    const char* pb = reinterpret_cast<const char*>(b) + ((size_t)stage << 14) + tid * 16;
+#pragma unroll
+    for (int q = 0; q < MMQ_BM / 16; ++q) cp_async16(st + MmqSmem::A + tid * 16 + q * 2048, pa + q * 2048, true);
+#pragma unroll
+    for (int q = 0; q < MMQ_BN / 16; ++q) cp_async16(st + MmqSmem::B + tid * 16 + q * 2048, pb + q * 2048, true);
+    cp_async16(st + MmqSmem::DC + tid * 16, reinterpret_cast<const char*>(dc + ((size_t)stage << 8)) + tid * 16, true);
+    cp_async16(st + MmqSmem::WD + tid * 16, reinterpret_cast<const char*>(wd + ((size_t)stage << 9)) + tid * 16, true);
+    if constexpr (T::OFFSET8) {
+        if (tid < 32) cp_async16(st + MmqSmem::SA + tid * 16, reinterpret_cast<const char*>(sa + ((size_t)stage << 8)) + tid * 16, true);
+        if (tid < 64) cp_async16(st + MmqSmem::WH + tid * 16, reinterpret_cast<const char*>(wh + ((size_t)stage << 9)) + tid * 16, true);
+    }
+}
+
+template <typename T>
+__device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
+                    const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
+                    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = warp / 4, wn = warp % 4;
-    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN, KB = K / QK;
-    const int kb_begin = blockIdx.z * kb_per_split, kb_end = min(KB, kb_begin + kb_per_split);
-    float acc[2][4][4] = {};
-    const MmqLoader loader(aq, wq, ads, wd, M, N, K, m0, n0);
-    if (kb_begin < kb_end) loader.load(smem, kb_begin, kb_end);
-    cp_async_commit();
-    int stage = 0;
-    for (int kb0 = kb_begin; kb0 < kb_end; kb0 += MMQ_BKB, stage ^= 1) {
-        if (kb0 + MMQ_BKB < kb_end) loader.load(smem + (stage ^ 1) * MMQ_STAGE, kb0 + MMQ_BKB, kb_end);
+    const int wm = warp >> 1, wn = warp & 1;
+    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN, SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB;
+    const int s_begin = blockIdx.z * stages_per_split, stages = min(SB, s_begin + stages_per_split) - s_begin;
+    // this block's first pieces (row tile, stage s_begin)
+    const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
+    const i8* a = aq + (pm << 13);
+    const i8* b = wq + (pn << 14);
+    const float2* dcp = dc + (pm << 8);
+    const float* wdp = wd + (pn << 9);
+    const __half* sap = as + (pm << 8);
+    const __half* whp = wh + (pn << 9);
+    float acc[2][8][4] = {};
+#pragma unroll
+    for (int s = 0; s < MMQ_STAGES - 1; ++s) {
+        if (s < stages) mmq_load<T>(smem + s * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp, s);
         cp_async_commit();
-        cp_async_wait<1>();  // this stage has landed; the next may still be in flight
-        __syncthreads();
-        const int* sA = smem + stage * MMQ_STAGE;
-        const int* sB = sA + MMQ_BM * MMQ_LD;
-        const __half2* sAds = reinterpret_cast<const __half2*>(sB + MMQ_BN * MMQ_LD);
-        const float* sBd = reinterpret_cast<const float*>(sB + MMQ_BN * MMQ_LD + MMQ_BM * MMQ_BKB);
-        // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
-        // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
-        // 16-31 n-tile 2p+1, each (l & 7) at byte offset 16 * ((l >> 3) & 1): b[2p][0..1], b[2p+1][0..1].
-        const int lr = (lane & 7) + 8 * ((lane >> 3) & 1), lo = 16 * (lane >> 4);
-        const int br = (lane & 7) + 8 * (lane >> 4), bo = 16 * ((lane >> 3) & 1);
+    }
+    // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
+    // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
+    // 16-31 n-tile 2p+1, each (l & 7) at byte offset 16 * ((l >> 3) & 1): b[2p][0..1], b[2p+1][0..1].
+    // In core-matrix order, 8 rows are 1024 bytes and 16 bytes of K are 128.
+    const int a_off = MmqSmem::A + (wm * 4 + ((lane >> 3) & 1)) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
+    const int b_off = MmqSmem::B + (wn * 8 + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
+    for (int s = 0; s < stages; ++s) {
+        cp_async_wait<MMQ_STAGES - 2>();  // stage s has landed (this thread's copies)
+        __syncthreads();                  // everyone's copies; everyone is done with the buffer refilled next
+        if (s + MMQ_STAGES - 1 < stages)
+            mmq_load<T>(smem + ((s + MMQ_STAGES - 1) % MMQ_STAGES) * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp,
+                        s + MMQ_STAGES - 1);
+        cp_async_commit();
+        const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
+        const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + wm * 32 + g;
+        const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + wn * 64 + 2 * t;
 #pragma unroll
         for (int j = 0; j < MMQ_BKB; ++j) {
-            int a[2][4], b[4][2];
-            float da[2][2], ms8[2][2], dw[4][2];
+            int a[2][4], b[8][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int r = wm * 32 + mi * 16;
-                ldmatrix_x4(a[mi], reinterpret_cast<const char*>(sA + (r + lr) * MMQ_LD + j * 8) + lo);
+            for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], st + a_off + mi * 2048 + j * 256);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float2 ds = __half22float2(sAds[j * MMQ_BM + r + g + 8 * h]);
-                    da[mi][h] = ds.x;
-                    ms8[mi][h] = -8.0f * ds.y;
-                }
-            }
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
+            for (int p = 0; p < 4; ++p) {
                 int v[4];
-                ldmatrix_x4(v, reinterpret_cast<const char*>(sB + (wn * 32 + p * 16 + br) * MMQ_LD + j * 8) + bo);
+                ldmatrix_x4(v, st + b_off + p * 2048 + j * 256);
                 b[2 * p][0] = v[0];
                 b[2 * p][1] = v[1];
                 b[2 * p + 1][0] = v[2];
                 b[2 * p + 1][1] = v[3];
             }
-#pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const float2 d2 = *reinterpret_cast<const float2*>(&sBd[j * MMQ_BN + wn * 32 + ni * 8 + 2 * t]);
-                dw[ni][0] = d2.x;
-                dw[ni][1] = d2.y;
-            }
+            float2 da[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni) {
+                for (int h = 0; h < 2; ++h) da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni) {
+                const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + ni * 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
                     int c[4];
                     mma_s8_magic(c, a[mi], b[ni]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float sf = magic_to_float(c[e]), w = dw[ni][e & 1], d = da[mi][e >> 1];
-                        // llama.cpp's block formula: Q4_0 d_w*(d_a*sumi - 8*s_a), Q8_0 d_w*d_a*sumi
-                        if constexpr (T::OFFSET8) acc[mi][ni][e] = fmaf(w, fmaf(d, sf, ms8[mi][e >> 1]), acc[mi][ni][e]);
-                        else acc[mi][ni][e] = fmaf(w * d, sf, acc[mi][ni][e]);
+                        const float2 d = da[mi][e >> 1];
+                        const float ts = fmaf(__int_as_float(c[e]), d.x, d.y);  // round(d_a * sumi)
+                        acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
                     }
                 }
+            }
         }
-        __syncthreads();  // everyone is done with this stage before it is refilled
+        if constexpr (T::OFFSET8) {  // acc += s_a . d_w over the stage's blocks (k 0..3; lanes t >= 2 give zeros)
+            const unsigned* sSA = reinterpret_cast<const unsigned*>(st + MmqSmem::SA);
+            const unsigned* sWH = reinterpret_cast<const unsigned*>(st + MmqSmem::WH);
+            unsigned sa[2][2], sw[8];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sa[mi][h] = t < 2 ? sSA[(wm * 32 + mi * 16 + g + 8 * h) * 2 + t] : 0u;
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni) sw[ni] = t < 2 ? sWH[(wn * 64 + ni * 8 + g) * 2 + t] : 0u;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 8; ++ni) mma_f16_k8(acc[mi][ni], sa[mi][0], sa[mi][1], sw[ni]);
+        }
     }
+    const float scale = T::OFFSET8 ? -8.0f : 1.0f;  // Q4_0's accumulators hold -out/8
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+        for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int m = m0 + wm * 32 + mi * 16 + g + (e >> 1) * 8;
-                const int n = n0 + wn * 32 + ni * 8 + 2 * t + (e & 1);
-                if (m < M && n < N) {
-                    if (atomic) atomicAdd(&Y[(size_t)m * N + n], acc[mi][ni][e]);
-                    else Y[(size_t)m * N + n] = acc[mi][ni][e];
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wm * 32 + mi * 16 + g + 8 * h, n = n0 + wn * 64 + ni * 8 + 2 * t;
+                if (m >= M) continue;
+                float* y = Y + (size_t)m * N + n;
+                const float v0 = scale * acc[mi][ni][2 * h], v1 = scale * acc[mi][ni][2 * h + 1];
+                if (atomic) {
+                    if (n < N) atomicAdd(y, v0);
+                    if (n + 1 < N) atomicAdd(y + 1, v1);
+                } else {
+                    if (n < N) y[0] = v0;
+                    if (n + 1 < N) y[1] = v1;
                 }
             }
 }
+
+// ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
+// One warpgroup per block computes the 64 x 128 tile as two m64n64k32 halves per quant block, asynchronously:
+// while the tensor cores multiply half u+1, the warps run the epilogue of half u (wgmma results are not
+// magic-biased, so it is IADD + 2 FFMA per value).  Operands are read from shared memory through
+// descriptors (no ldmatrix, no fragments in registers).  Measured ~10% slower than mmq on the H100: both
+// are bound by issuing the epilogue, and this one issues an IADD more per value.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem) {
+    // canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K), SBO = 1024 bytes (next 8 rows)
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_m64n64k32_s8(int* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, 0;\n"
+        "}\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]),
+          "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]),
+          "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]),
+          "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31])
+        : "l"(da), "l"(db));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Registers an async wgmma writes must not be touched (or moved) by the compiler across its wait.
+__device__ __forceinline__ void fence_regs(int* d) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <typename T>
+__device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
+                       const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
+                       float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN, SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB;
+    const int s_begin = blockIdx.z * stages_per_split, stages = min(SB, s_begin + stages_per_split) - s_begin;
+    const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
+    const i8* a = aq + (pm << 13);
+    const i8* b = wq + (pn << 14);
+    const float2* dcp = dc + (pm << 8);
+    const float* wdp = wd + (pn << 9);
+    const __half* sap = as + (pm << 8);
+    const __half* whp = wh + (pn << 9);
+    float acc[16][4] = {};  // n8 tile i: (row 16w+g, col 8i+2t), (.., +1), (row +8, ..), (.., +1)
+    int d[2][32];
+#pragma unroll
+    for (int s = 0; s < MMQ_STAGES - 1; ++s) {
+        if (s < stages) mmq_load<T>(smem + s * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp, s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < stages; ++s) {
+        cp_async_wait<MMQ_STAGES - 2>();
+        fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' reads
+        __syncthreads();
+        if (s + MMQ_STAGES - 1 < stages)
+            mmq_load<T>(smem + ((s + MMQ_STAGES - 1) % MMQ_STAGES) * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp,
+                        s + MMQ_STAGES - 1);
+        cp_async_commit();
+        const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
+        const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + warp * 16 + g;
+        const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + 2 * t;
+        // half u = (block j = u/2, columns 64*(u%2)..): A at 256j, B at 8192*(u%2) + 256j
+        wgmma_fence();
+        wgmma_m64n64k32_s8(d[0], wgmma_desc(st + MmqSmem::A), wgmma_desc(st + MmqSmem::B));
+        wgmma_commit();
+#pragma unroll
+        for (int u = 0; u < 2 * MMQ_BKB; ++u) {
+            if (u + 1 < 2 * MMQ_BKB) {
+                const int v = u + 1;
+                fence_regs(d[v & 1]);
+                wgmma_fence();
+                wgmma_m64n64k32_s8(d[v & 1], wgmma_desc(st + MmqSmem::A + 256 * (v >> 1)),
+                                   wgmma_desc(st + MmqSmem::B + 8192 * (v & 1) + 256 * (v >> 1)));
+                wgmma_commit();
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            fence_regs(d[u & 1]);
+            const int j = u >> 1, h = u & 1;
+            const float2 da0 = sDC[j * MMQ_BM], da1 = sDC[j * MMQ_BM + 8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + 64 * h + 8 * i);
+                float* o = acc[8 * h + i];
+                const int* c = d[u & 1] + 4 * i;
+                o[0] = fmaf(fmaf(__int_as_float(c[0] + MAGIC_I), da0.x, da0.y), w.x, o[0]);
+                o[1] = fmaf(fmaf(__int_as_float(c[1] + MAGIC_I), da0.x, da0.y), w.y, o[1]);
+                o[2] = fmaf(fmaf(__int_as_float(c[2] + MAGIC_I), da1.x, da1.y), w.x, o[2]);
+                o[3] = fmaf(fmaf(__int_as_float(c[3] + MAGIC_I), da1.x, da1.y), w.y, o[3]);
+            }
+        }
+        if constexpr (T::OFFSET8) {  // acc += s_a . d_w over the stage's blocks, as in mmq
+            const unsigned* sSA = reinterpret_cast<const unsigned*>(st + MmqSmem::SA);
+            const unsigned* sWH = reinterpret_cast<const unsigned*>(st + MmqSmem::WH);
+            const unsigned sa0 = t < 2 ? sSA[(warp * 16 + g) * 2 + t] : 0u;
+            const unsigned sa1 = t < 2 ? sSA[(warp * 16 + g + 8) * 2 + t] : 0u;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) mma_f16_k8(acc[i], sa0, sa1, t < 2 ? sWH[(8 * i + g) * 2 + t] : 0u);
+        }
+    }
+    const float scale = T::OFFSET8 ? -8.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int m = m0 + warp * 16 + g + 8 * hh, n = n0 + 8 * i + 2 * t;
+            if (m >= M) continue;
+            float* y = Y + (size_t)m * N + n;
+            const float v0 = scale * acc[i][2 * hh], v1 = scale * acc[i][2 * hh + 1];
+            if (atomic) {
+                if (n < N) atomicAdd(y, v0);
+                if (n + 1 < N) atomicAdd(y + 1, v1);
+            } else {
+                if (n < N) y[0] = v0;
+                if (n + 1 < N) y[1] = v1;
+            }
+        }
+}
+
+#define MMQ_WG(t, T)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
+        mmq_wgmma_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,              \
+                   const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {         \
+        mmq_wg<T>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);                                 \
+    }
+QGEMM_FOR_TYPES(MMQ_WG)
+#endif
 
 // ---- gemv -------------------------------------------------------------------------------------
 // M == 1: a warp per weight row of the split layout, lanes over K blocks, 16-byte loads of weights and
@@ -224,9 +387,10 @@ __device__ void gemv1(const u8* __restrict__ wq, const __half* __restrict__ wd, 
 }
 
 // 2 <= M <= 8: a skinny tensor-core product.  One MMA m16n8k32 takes 16 weight rows as A and 8
-// activation rows as B (a warp can hold MT8 such tiles; MT8 > 1, M up to 64, measured slower than
-// mmq: its 4-byte activation fragment loads bind the LSU), the 8 warps of a block split K, then add
-// in shared memory.  Q4_0's packed bytes 4t..4t+3 hold k = 4t.. (low nibbles) and
+// activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
+// 4-byte activation fragment loads bind the LSU), the 8 warps of a block split K, then add in shared
+// memory.  Each warp issues the loads of its next 4 blocks before the first MMA: the kernel
+// waits on L2/HBM latency, not on arithmetic.  Q4_0's packed bytes 4t..4t+3 hold k = 4t.. (low nibbles) and
 // k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split layout is read as
 // it is, at half the bytes of int8.
 template <typename T>
@@ -246,64 +410,68 @@ __device__ __forceinline__ float block_epilogue(bool offset8, float dw, int c, f
     return offset8 ? dw * fmaf(ds.x, sf, -8.0f * ds.y) : dw * ds.x * sf;
 }
 
-template <typename T, int MT8>
+template <typename T>
 __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd, const i8* __restrict__ aq,
                        const __half2* __restrict__ ads, float* __restrict__ Y, int M, int N, int K) {
-    __shared__ float red[8][4 * MT8][WARP];
+    constexpr int U = 4;  // quant blocks per warp whose loads are all issued before the first MMA
+    __shared__ float red[8][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16, KB = K / QK;
-    const int nA = n0 + g, nB = n0 + g + 8;
-    const bool okA = nA < N, okB = nB < N;
+    const int nA = n0 + g, nB = n0 + g + 8, m0 = 2 * t, m1 = m0 + 1;
+    const bool okA = nA < N, okB = nB < N, okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
     const u8* rowA = wq + (size_t)(okA ? nA : 0) * KB * T::QS_BYTES;
     const u8* rowB = wq + (size_t)(okB ? nB : 0) * KB * T::QS_BYTES;
-    float acc[MT8][4] = {};
-#pragma unroll 2
-    for (int kb = warp; kb < KB; kb += 8) {
-        int a[4] = {0, 0, 0, 0};
-        if (okA) weight_fragment<T>(rowA + (size_t)kb * T::QS_BYTES, t, &a[0], &a[2]);
-        if (okB) weight_fragment<T>(rowB + (size_t)kb * T::QS_BYTES, t, &a[1], &a[3]);
-        const float dA = okA ? __half2float(wd[(size_t)nA * KB + kb]) : 0.f;
-        const float dB = okB ? __half2float(wd[(size_t)nB * KB + kb]) : 0.f;
+    const i8* act = aq + (size_t)(okG ? g : 0) * K + 4 * t;
+    float acc[4] = {};
+    for (int kb0 = warp; kb0 < KB; kb0 += 8 * U) {
+        int a[U][4], b[U][2];
+        float dA[U], dB[U];
+        __half2 s0[U], s1[U];
 #pragma unroll
-        for (int mt = 0; mt < MT8; ++mt) {
-            const int mg = mt * 8 + g, m0 = mt * 8 + 2 * t, m1 = m0 + 1;
-            int b[2] = {0, 0};
-            if (mg < M) {
-                const i8* act = aq + (size_t)mg * K + (size_t)kb * QK;
-                b[0] = *reinterpret_cast<const int*>(act + 4 * t);
-                b[1] = *reinterpret_cast<const int*>(act + 16 + 4 * t);
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + 8 * u;
+            const bool in = kb < KB;
+            a[u][0] = a[u][1] = a[u][2] = a[u][3] = b[u][0] = b[u][1] = 0;
+            if (in && okA) weight_fragment<T>(rowA + (size_t)kb * T::QS_BYTES, t, &a[u][0], &a[u][2]);
+            if (in && okB) weight_fragment<T>(rowB + (size_t)kb * T::QS_BYTES, t, &a[u][1], &a[u][3]);
+            dA[u] = in && okA ? __half2float(wd[(size_t)nA * KB + kb]) : 0.f;
+            dB[u] = in && okB ? __half2float(wd[(size_t)nB * KB + kb]) : 0.f;
+            if (in && okG) {
+                b[u][0] = *reinterpret_cast<const int*>(act + (size_t)kb * QK);
+                b[u][1] = *reinterpret_cast<const int*>(act + (size_t)kb * QK + 16);
             }
+            s0[u] = in && ok0 ? ads[(size_t)m0 * KB + kb] : __half2();
+            s1[u] = in && ok1 ? ads[(size_t)m1 * KB + kb] : __half2();
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
             int c[4];
-            mma_s8_magic(c, a, b);
-            const float2 s0 = m0 < M ? __half22float2(ads[(size_t)m0 * KB + kb]) : make_float2(0.f, 0.f);
-            const float2 s1 = m1 < M ? __half22float2(ads[(size_t)m1 * KB + kb]) : make_float2(0.f, 0.f);
+            mma_s8_magic(c, a[u], b[u]);
+            const float2 f0 = __half22float2(s0[u]), f1 = __half22float2(s1[u]);
             // c0: (weight row nA, act m0), c1: (nA, m1), c2: (nB, m0), c3: (nB, m1)
-            acc[mt][0] += block_epilogue(T::OFFSET8, dA, c[0], s0);
-            acc[mt][1] += block_epilogue(T::OFFSET8, dA, c[1], s1);
-            acc[mt][2] += block_epilogue(T::OFFSET8, dB, c[2], s0);
-            acc[mt][3] += block_epilogue(T::OFFSET8, dB, c[3], s1);
+            acc[0] += block_epilogue(T::OFFSET8, dA[u], c[0], f0);
+            acc[1] += block_epilogue(T::OFFSET8, dA[u], c[1], f1);
+            acc[2] += block_epilogue(T::OFFSET8, dB[u], c[2], f0);
+            acc[3] += block_epilogue(T::OFFSET8, dB[u], c[3], f1);
         }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT8; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) red[warp][mt * 4 + e][lane] = acc[mt][e];
+    for (int e = 0; e < 4; ++e) red[warp][e][lane] = acc[e];
     __syncthreads();
-    for (int v = warp; v < 4 * MT8; v += 8) {  // each warp finishes some of the values
+    if (warp < 4) {  // warp e finishes value e of every lane
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) sum += red[w][v][lane];
-        const int mt = v / 4, e = v % 4;
-        const int n = (e < 2) ? nA : nB, m = mt * 8 + 2 * t + (e & 1);
+        for (int w = 0; w < 8; ++w) sum += red[w][warp][lane];
+        const int n = (warp < 2) ? nA : nB, m = 2 * t + (warp & 1);
         if (n < N && m < M) Y[(size_t)m * N + n] = sum;
     }
 }
 
 #define FAST(t, T)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                        \
-        mmq_##t(const i8* wq, const float* wd, const i8* aq, const __half2* ads, float* Y, int M, int N, int K, \
-                int kb_per_split, int atomic) {                                                                 \
-        mmq<T>(wq, wd, aq, ads, Y, M, N, K, kb_per_split, atomic);                                              \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                                \
+        mmq_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc, const __half* as, \
+                float* Y, int M, int N, int K, int stages_per_split, int atomic) {                              \
+        mmq<T>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);                                       \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int N, int K) {   \
@@ -312,6 +480,6 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         skinny1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int M, int N,   \
                     int K) {                                                                                    \
-        skinny<T, 1>(wq, wd, aq, ads, Y, M, N, K);                                                              \
+        skinny<T>(wq, wd, aq, ads, Y, M, N, K);                                                              \
     }
 QGEMM_FOR_TYPES(FAST)

@@ -7,8 +7,10 @@ enqueues on the current stream.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import cupy
@@ -59,53 +61,80 @@ def quantize_q8_1_split(mods: Any, x: cupy.ndarray, qs: cupy.ndarray, ds: cupy.n
     mods.function("q8_1.cu", "quantize_q8_1_split")((cdiv(n, 1024),), (256,), (x, qs, ds, I64(n)))
 
 
-def q8_1_buffers(spec: KernelSpec, m: int, k: int) -> Any:
-    """Device buffers for the activations of `spec` (uninitialised)."""
-    if spec.activation_layout == "split":
+def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
+    """(row tiles, stages of MMQ_BKB quant blocks) of an mmq-layout operand."""
+    return cdiv(rows, tile), cdiv(k // QK, MMQ_BKB)
+
+
+def q8_1_buffers(layout: str, m: int, k: int) -> Any:
+    """Device buffers for activations quantized into `layout` (uninitialised)."""
+    if layout == "split":
         return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
+    if layout == "mmq":  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
+        pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
+        return {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
+                "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32),
+                "s": cupy.empty(pieces * MMQ_BM * MMQ_BKB, dtype=cupy.float16)}
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
 
-def quantize_into(mods: Any, spec: KernelSpec, x: cupy.ndarray, acts: Any) -> None:
-    if spec.activation_layout == "split":
+def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
+    if layout == "split":
         quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
+    elif layout == "mmq":  # a warp per (4 rows, quant block)
+        m, k = x.shape
+        sb = mmq_tiles(m, k, MMQ_BM)[1]
+        mods.function("q8_1.cu", "quantize_q8_1_mmq")((cdiv(cdiv(m, 4) * (k // QK), 8),), (256,),
+                                                      (x, acts["qs"], acts["dc"], acts["s"], I32(m), I32(k), I32(sb)))
     else:
         quantize_q8_1(mods, x, acts)
 
 
-def q8_1_to_host(acts: Any, m: int) -> Any:
+def q8_1_to_host(acts: Any, m: int, k: int) -> Any:
     from kernels.reference import Q8_1
 
+    if isinstance(acts, dict) and "dc" in acts:  # mmq: untile (d from the (d, -12582912 d) pairs)
+        mt, sb = mmq_tiles(m, k, MMQ_BM)
+        kb, kbp = k // QK, sb * MMQ_BKB
+        qs = cupy.asnumpy(acts["qs"]).reshape(mt, sb, MMQ_BM // 8, 8, 8, 16).transpose(0, 2, 4, 1, 3, 5)
+        dc = cupy.asnumpy(acts["dc"]).reshape(mt, sb, MMQ_BKB, MMQ_BM, 2).transpose(0, 3, 1, 2, 4)
+        s = cupy.asnumpy(acts["s"]).reshape(mt, sb, MMQ_BM, MMQ_BKB).transpose(0, 2, 1, 3)
+        return Q8_1(np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k]),
+                    dc.reshape(-1, kbp, 2)[:m, :kb, 0].astype(np.float16),
+                    np.ascontiguousarray(s.reshape(-1, kbp)[:m, :kb]))
     if isinstance(acts, dict):
         ds = cupy.asnumpy(acts["ds"])
         return Q8_1(cupy.asnumpy(acts["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
     return Q8_1.from_blocks(cupy.asnumpy(acts).reshape(m, -1))
 
 
-MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_LD = 64, 128, 4, 36
-MMQ_SMEM = 2 * 4 * (MMQ_BM * MMQ_LD + MMQ_BN * MMQ_LD + MMQ_BM * MMQ_BKB + MMQ_BN * MMQ_BKB)  # as fast.cu
+MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
+MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4 + MMQ_BM * 8 + MMQ_BN * 8
+MMQ_SMEM = MMQ_STAGES * MMQ_STAGE  # MmqSmem::BYTES
+MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 
 def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
     """Split K when the output tiles alone would leave SMs idle: as many splits as keep the grid within one
-    wave of two blocks per SM (rounding up would start a second, mostly empty wave)."""
+    wave (rounding up would start a second, mostly empty wave)."""
     tiles = cdiv(n, MMQ_BN) * cdiv(m, MMQ_BM)
     stages = cdiv(k // QK, MMQ_BKB)
-    return max(1, min(stages, (2 * sm_count) // tiles)) if tiles < sm_count else 1
+    return max(1, min(stages, (MMQ_BLOCKS_PER_SM * sm_count) // tiles)) if tiles < sm_count else 1
 
 
-def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int, base: str = "mmq") -> None:
+    """mmq (mma.sync) or mmq_wgmma: the same tiles, layouts and grid."""
     splits = mmq_splits(mods.sm_count, m, n, k)
-    kb = k // QK
-    per = cdiv(cdiv(kb, splits), MMQ_BKB) * MMQ_BKB
-    splits = cdiv(kb, per)
+    stages = mmq_tiles(m, k, MMQ_BM)[1]
+    per = cdiv(stages, splits)  # stages per split
+    splits = cdiv(stages, per)
     if splits > 1:
         y.fill(0)
-    fn = mods.function("fast.cu", f"mmq_{t}")
+    fn = mods.function("fast.cu", f"{base}_{t}")
     if fn.max_dynamic_shared_size_bytes < MMQ_SMEM:
-        fn.max_dynamic_shared_size_bytes = MMQ_SMEM  # two stages of 30 KiB: over the 48 KiB default
-    fn((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (256,),
-       (w["wq"], w["wd"], a["qs"], a["ds"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
+        fn.max_dynamic_shared_size_bytes = MMQ_SMEM  # two stages: over the 48 KiB default
+    fn((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (MMQ_THREADS,),
+       (w["wq"], w["wd"], w["wh"], a["qs"], a["dc"], a["s"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
        shared_mem=MMQ_SMEM)
 
 
@@ -148,6 +177,7 @@ LAUNCHERS: dict[str, Launch] = {
     "cublas_f16": Launch("w16.cu", _cublas_f16),
     "cublas_f32": Launch("w16.cu", _cublas_f32),
     "mmq": Launch("fast.cu", _mmq),
+    "mmq_wgmma": Launch("fast.cu", partial(_mmq, base="mmq_wgmma")),
     "gemv": Launch("fast.cu", _gemv),
 }
 
@@ -163,7 +193,8 @@ def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     kb = k // QK
     return {"gguf": n * kb * fmt.block_bytes,
             "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
-            "f16": n * k * 2, "f32": n * k * 4, "mmq": n * k + n * kb * 4}[layout]
+            "f16": n * k * 2, "f32": n * k * 4,
+            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + 4 + 2)}[layout]
 
 
 def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int, k: int) -> dict[str, cupy.ndarray]:
@@ -184,12 +215,28 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         fn((cdiv(n * k, 256),), (256,), (w, out, I64(n * k)))
         del w
         return {"w": out}
-    if layout == "mmq":  # int8 rows (Q4_0 widened to 0..15) and fp32 scales, repacked on the host once
+    if layout == "mmq":  # tiled as fast.cu's mmq copies it, made on the host once
         from kernels.reference import unpack_blocks
 
         q, d = unpack_blocks(type_name, raw)
-        return {"wq": cupy.asarray(np.ascontiguousarray(q).view(np.int8)),
-                "wd": cupy.asarray(d.astype(np.float32))}
+        nt, sb = mmq_tiles(n, k, MMQ_BN)
+        rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
+        qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
+        qp[:n, :k] = q.view(np.int8) if q.dtype == np.int8 else q.astype(np.int8)
+        wd = np.zeros((rows, kbp), dtype=np.float32)  # what the epilogue multiplies by
+        wd[:n, :kb] = d.astype(np.float32) * (-0.125 if type_name == "Q4_0" else 1.0)
+        wh = np.zeros((rows, kbp), dtype=np.float16)  # Q4_0's s-term MMA reads d_w as half
+        wh[:n, :kb] = d
+
+        def tiled(a: np.ndarray, per_row: int, block_major: bool) -> cupy.ndarray:
+            t = a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 3, 1) if block_major else \
+                a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 1, 3)
+            return cupy.asarray(np.ascontiguousarray(t).reshape(-1))
+
+        # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
+        cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
+        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": tiled(wd, MMQ_BKB, True),
+                "wh": tiled(wh, MMQ_BKB, False)}
     raise ValueError(f"unknown weight layout {layout!r}")
 
 

@@ -60,3 +60,38 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
     *reinterpret_cast<int*>(qs + i) = r.packed;
     if (i % QK == 0) ds[i / QK] = make_half2(__float2half(r.d), __float2half(r.sum));
 }
+
+// The layout `mmq` reads: every array tiled by 64 rows and by stages of 4 quant blocks (128 values of K),
+// each (row tile, stage) one contiguous piece, so that the GEMM copies a stage with fixed offsets:
+//   qs: [M/64][SB][64 x 128] int8, 8 KiB a piece in core-matrix order: byte (r, k) at
+//       ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16 (see fast.cu's mmq)
+//   dc: [M/64][SB][4 blocks][64 rows] float2 (d, -12582912*d), d the half-rounded scale: the GEMM's
+//       epilogue turns its magic-biased int32 into d*sumi with one FFMA
+//   s:  [M/64][SB][64 rows][4 blocks] half (sum x)
+// with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = s = 0 here
+// (their quants meet zero weights).
+// A warp quantizes one block of 4 consecutive rows (8 lanes a row, as in the kernels above, so the sums keep
+// their order): its 16-byte quant chunks then land as two runs of 4 core-matrix rows, 64 contiguous bytes each.
+extern "C" __global__ void quantize_q8_1_mmq(const float* __restrict__ x, i8* __restrict__ qs,
+                                             float2* __restrict__ dc, __half* __restrict__ s, int M, int K, int SB) {
+    const int KB = K / QK, lane = threadIdx.x % WARP;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const int kb = int(warp % KB), m = int(warp / KB) * 4 + (lane >> 3), k = kb * QK + (lane & 7) * 4;
+    const bool active = m < M;
+    const float4 v = active ? *reinterpret_cast<const float4*>(x + (size_t)m * K + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const Q8_1Block4 r = quantize4(v);
+    if (!active) return;
+    const int mr = m & 63, kk = k & 127, within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
+    const size_t piece = (size_t)(m >> 6) * SB;  // this row tile's first piece
+    *reinterpret_cast<int*>(qs + ((piece + (k >> 7)) << 13) + within) = r.packed;
+    if ((lane & 7) == 0) {
+        const float d = __half2float(__float2half(r.d));
+        dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(d, -12582912.0f * d);
+        s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(r.sum);
+        if (kb == KB - 1)  // the last block of the row zeroes the padding blocks of its last stage
+            for (int kp = kb + 1; kp < 4 * SB; ++kp) {
+                dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
+                s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
+            }
+    }
+}
