@@ -69,25 +69,84 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
                  : "r"(a));
 }
 
-// One stage's copies: thread tid takes the 16-byte chunks tid + 128q of each piece, to the same offset in
-// shared memory.  a, b, dc, wd, sa, wh point at this block's first piece.
+// One block's view of the tiled operands: its first pieces (row tile, stage s_begin) and stage count.
+// load(): one stage's copies; thread tid takes the 16-byte chunks tid + 128q of each piece, to the same
+// offset in shared memory.  store(): a pair of adjacent outputs (row m, columns n, n+1), or their
+// split-K partial sums.
 template <typename T>
-__device__ __forceinline__ void mmq_load(char* st, const i8* a, const i8* b, const float2* dc, const float* wd,
-                                         const __half* sa, const __half* wh, int stage) {
-    const int tid = threadIdx.x;
-    const char* pa = reinterpret_cast<const char*>(a) + ((size_t)stage << 13) + tid * 16;
-    const char* pb = reinterpret_cast<const char*>(b) + ((size_t)stage << 14) + tid * 16;
-#pragma unroll
-    for (int q = 0; q < MMQ_BM / 16; ++q) cp_async16(st + MmqSmem::A + tid * 16 + q * 2048, pa + q * 2048, true);
-#pragma unroll
-    for (int q = 0; q < MMQ_BN / 16; ++q) cp_async16(st + MmqSmem::B + tid * 16 + q * 2048, pb + q * 2048, true);
-    cp_async16(st + MmqSmem::DC + tid * 16, reinterpret_cast<const char*>(dc + ((size_t)stage << 8)) + tid * 16, true);
-    cp_async16(st + MmqSmem::WD + tid * 16, reinterpret_cast<const char*>(wd + ((size_t)stage << 9)) + tid * 16, true);
-    if constexpr (T::OFFSET8) {
-        if (tid < 32) cp_async16(st + MmqSmem::SA + tid * 16, reinterpret_cast<const char*>(sa + ((size_t)stage << 8)) + tid * 16, true);
-        if (tid < 64) cp_async16(st + MmqSmem::WH + tid * 16, reinterpret_cast<const char*>(wh + ((size_t)stage << 9)) + tid * 16, true);
+struct MmqBlock {
+    const i8 *a, *b;
+    const float2* dc;
+    const float* wd;
+    const __half *sa, *wh;
+    int m0, n0, stages;
+
+    __device__ MmqBlock(const i8* wq, const float* wd_, const __half* wh_, const i8* aq, const float2* dc_,
+                        const __half* as, int K, int stages_per_split) {
+        const int SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB, s_begin = blockIdx.z * stages_per_split;
+        const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
+        m0 = blockIdx.y * MMQ_BM;
+        n0 = blockIdx.x * MMQ_BN;
+        stages = min(SB, s_begin + stages_per_split) - s_begin;
+        a = aq + (pm << 13);
+        b = wq + (pn << 14);
+        dc = dc_ + (pm << 8);
+        wd = wd_ + (pn << 9);
+        sa = as + (pm << 8);
+        wh = wh_ + (pn << 9);
     }
-}
+
+    // thread tid's first 16-byte chunk of the piece of `stage` (pieces of 1 << shift elements)
+    template <typename P>
+    static __device__ __forceinline__ const char* chunk(const P* p, int shift, int stage) {
+        return reinterpret_cast<const char*>(p + ((size_t)stage << shift)) + threadIdx.x * 16;
+    }
+
+    __device__ __forceinline__ void load(char* st, int stage) const {
+        const int tid = threadIdx.x;
+        st += tid * 16;
+#pragma unroll
+        for (int q = 0; q < MMQ_BM / 16; ++q)
+            cp_async16(st + MmqSmem::A + q * 2048, chunk(a, 13, stage) + q * 2048, true);
+#pragma unroll
+        for (int q = 0; q < MMQ_BN / 16; ++q)
+            cp_async16(st + MmqSmem::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
+        cp_async16(st + MmqSmem::DC, chunk(dc, 8, stage), true);
+        cp_async16(st + MmqSmem::WD, chunk(wd, 9, stage), true);
+        if constexpr (T::OFFSET8) {
+            if (tid < 32) cp_async16(st + MmqSmem::SA, chunk(sa, 8, stage), true);
+            if (tid < 64) cp_async16(st + MmqSmem::WH, chunk(wh, 9, stage), true);
+        }
+    }
+
+    __device__ __forceinline__ void prologue(char* smem) const {  // the first MMQ_STAGES - 1 stages in flight
+#pragma unroll
+        for (int s = 0; s < MMQ_STAGES - 1; ++s) {
+            if (s < stages) load(smem + s * MmqSmem::STAGE, s);
+            cp_async_commit();
+        }
+    }
+
+    __device__ __forceinline__ void refill(char* smem, int s) const {  // at stage s, the one MMQ_STAGES - 1 ahead
+        const int ahead = s + MMQ_STAGES - 1;
+        if (ahead < stages) load(smem + (ahead % MMQ_STAGES) * MmqSmem::STAGE, ahead);
+        cp_async_commit();
+    }
+
+    // Q4_0's accumulators hold -out/8
+    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1) const {
+        if (m >= M) return;
+        const float scale = T::OFFSET8 ? -8.0f : 1.0f;
+        float* y = Y + (size_t)m * N + n;
+        if (atomic) {
+            if (n < N) atomicAdd(y, scale * a0);
+            if (n + 1 < N) atomicAdd(y + 1, scale * a1);
+        } else {
+            if (n < N) y[0] = scale * a0;
+            if (n + 1 < N) y[1] = scale * a1;
+        }
+    }
+};
 
 template <typename T>
 __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
@@ -97,35 +156,19 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN, SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB;
-    const int s_begin = blockIdx.z * stages_per_split, stages = min(SB, s_begin + stages_per_split) - s_begin;
-    // this block's first pieces (row tile, stage s_begin)
-    const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
-    const i8* a = aq + (pm << 13);
-    const i8* b = wq + (pn << 14);
-    const float2* dcp = dc + (pm << 8);
-    const float* wdp = wd + (pn << 9);
-    const __half* sap = as + (pm << 8);
-    const __half* whp = wh + (pn << 9);
+    const MmqBlock<T> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
     float acc[2][8][4] = {};
-#pragma unroll
-    for (int s = 0; s < MMQ_STAGES - 1; ++s) {
-        if (s < stages) mmq_load<T>(smem + s * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp, s);
-        cp_async_commit();
-    }
+    blk.prologue(smem);
     // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
     // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
     // 16-31 n-tile 2p+1, each (l & 7) at byte offset 16 * ((l >> 3) & 1): b[2p][0..1], b[2p+1][0..1].
     // In core-matrix order, 8 rows are 1024 bytes and 16 bytes of K are 128.
     const int a_off = MmqSmem::A + (wm * 4 + ((lane >> 3) & 1)) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
     const int b_off = MmqSmem::B + (wn * 8 + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
-    for (int s = 0; s < stages; ++s) {
+    for (int s = 0; s < blk.stages; ++s) {
         cp_async_wait<MMQ_STAGES - 2>();  // stage s has landed (this thread's copies)
         __syncthreads();                  // everyone's copies; everyone is done with the buffer refilled next
-        if (s + MMQ_STAGES - 1 < stages)
-            mmq_load<T>(smem + ((s + MMQ_STAGES - 1) % MMQ_STAGES) * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp,
-                        s + MMQ_STAGES - 1);
-        cp_async_commit();
+        blk.refill(smem, s);
         const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + wn * 64 + 2 * t;
@@ -180,25 +223,14 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
                 for (int ni = 0; ni < 8; ++ni) mma_f16_k8(acc[mi][ni], sa[mi][0], sa[mi][1], sw[ni]);
         }
     }
-    const float scale = T::OFFSET8 ? -8.0f : 1.0f;  // Q4_0's accumulators hold -out/8
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = m0 + wm * 32 + mi * 16 + g + 8 * h, n = n0 + wn * 64 + ni * 8 + 2 * t;
-                if (m >= M) continue;
-                float* y = Y + (size_t)m * N + n;
-                const float v0 = scale * acc[mi][ni][2 * h], v1 = scale * acc[mi][ni][2 * h + 1];
-                if (atomic) {
-                    if (n < N) atomicAdd(y, v0);
-                    if (n + 1 < N) atomicAdd(y + 1, v1);
-                } else {
-                    if (n < N) y[0] = v0;
-                    if (n + 1 < N) y[1] = v1;
-                }
-            }
+            for (int h = 0; h < 2; ++h)
+                blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * 64 + ni * 8 + 2 * t,
+                          acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
 }
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
@@ -233,7 +265,9 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8(int* d, unsigned long long da
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Registers an async wgmma writes must not be touched (or moved) by the compiler across its wait.
 __device__ __forceinline__ void fence_regs(int* d) {
 #pragma unroll
@@ -248,30 +282,15 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN, SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB;
-    const int s_begin = blockIdx.z * stages_per_split, stages = min(SB, s_begin + stages_per_split) - s_begin;
-    const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
-    const i8* a = aq + (pm << 13);
-    const i8* b = wq + (pn << 14);
-    const float2* dcp = dc + (pm << 8);
-    const float* wdp = wd + (pn << 9);
-    const __half* sap = as + (pm << 8);
-    const __half* whp = wh + (pn << 9);
+    const MmqBlock<T> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
     float acc[16][4] = {};  // n8 tile i: (row 16w+g, col 8i+2t), (.., +1), (row +8, ..), (.., +1)
     int d[2][32];
-#pragma unroll
-    for (int s = 0; s < MMQ_STAGES - 1; ++s) {
-        if (s < stages) mmq_load<T>(smem + s * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp, s);
-        cp_async_commit();
-    }
-    for (int s = 0; s < stages; ++s) {
+    blk.prologue(smem);
+    for (int s = 0; s < blk.stages; ++s) {
         cp_async_wait<MMQ_STAGES - 2>();
         fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' reads
         __syncthreads();
-        if (s + MMQ_STAGES - 1 < stages)
-            mmq_load<T>(smem + ((s + MMQ_STAGES - 1) % MMQ_STAGES) * MmqSmem::STAGE, a, b, dcp, wdp, sap, whp,
-                        s + MMQ_STAGES - 1);
-        cp_async_commit();
+        blk.refill(smem, s);
         const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + warp * 16 + g;
         const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + 2 * t;
@@ -315,23 +334,12 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
             for (int i = 0; i < 16; ++i) mma_f16_k8(acc[i], sa0, sa1, t < 2 ? sWH[(8 * i + g) * 2 + t] : 0u);
         }
     }
-    const float scale = T::OFFSET8 ? -8.0f : 1.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int m = m0 + warp * 16 + g + 8 * hh, n = n0 + 8 * i + 2 * t;
-            if (m >= M) continue;
-            float* y = Y + (size_t)m * N + n;
-            const float v0 = scale * acc[i][2 * hh], v1 = scale * acc[i][2 * hh + 1];
-            if (atomic) {
-                if (n < N) atomicAdd(y, v0);
-                if (n + 1 < N) atomicAdd(y + 1, v1);
-            } else {
-                if (n < N) y[0] = v0;
-                if (n + 1 < N) y[1] = v1;
-            }
-        }
+        for (int hh = 0; hh < 2; ++hh)
+            blk.store(Y, M, N, atomic, blk.m0 + warp * 16 + g + 8 * hh, blk.n0 + 8 * i + 2 * t, acc[i][2 * hh],
+                      acc[i][2 * hh + 1]);
 }
 
 #define MMQ_WG(t, T)                                                                                            \
