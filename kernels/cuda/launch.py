@@ -222,7 +222,7 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
-        qp[:n, :k] = q.view(np.int8) if q.dtype == np.int8 else q.astype(np.int8)
+        qp[:n, :k] = q.astype(np.int8)  # Q4_0's 0..15 and Q8_0's int8 alike
         wd = np.zeros((rows, kbp), dtype=np.float32)  # what the epilogue multiplies by
         wd[:n, :kb] = d.astype(np.float32) * (-0.125 if type_name == "Q4_0" else 1.0)
         wh = np.zeros((rows, kbp), dtype=np.float16)  # Q4_0's s-term MMA reads d_w as half
