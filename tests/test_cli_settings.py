@@ -27,6 +27,27 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         Settings.from_env()
 
 
+def test_dependent_launch_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QGEMM_DEPENDENT_LAUNCH", raising=False)
+    assert Settings.from_env().dependent_launch is True
+    monkeypatch.setenv("QGEMM_DEPENDENT_LAUNCH", "false")
+    assert Settings.from_env().dependent_launch is False
+    monkeypatch.setenv("QGEMM_DEPENDENT_LAUNCH", "sometimes")
+    with pytest.raises(ValueError):
+        Settings.from_env()
+
+
+def test_dependent_launch_needs_hopper_and_marshals_only_known_arguments() -> None:
+    import numpy as np
+
+    from kernels.cuda import pdl
+
+    assert not pdl.available(80)  # programmatic dependent launch is sm_90+
+    assert pdl._ctype(np.int32(7)).value == 7 and pdl._ctype(np.int64(1 << 40)).value == 1 << 40
+    with pytest.raises(TypeError):
+        pdl._ctype(7.0)  # a Python float has no kernel type: refuse rather than guess
+
+
 def test_default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("QGEMM_MODELS_DIR", "QGEMM_MAX_BODY_BYTES", "QGEMM_API_KEY", "QGEMM_BACKEND"):
         monkeypatch.delenv(k, raising=False)

@@ -58,17 +58,30 @@ def expected(spec_format: str, type_name: str, raw: np.ndarray, x: np.ndarray, q
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
-@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
-def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str) -> None:
-    for m, k in ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)):
+def check_quantize(backend, rng: np.random.Generator, layout: str, shapes: tuple[tuple[int, int], ...]) -> None:
+    for m, k in shapes:
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
         x[0, :32] = 0.0  # a zero block
         got, want = backend.quantize(x, layout), ref.quantize_q8_1(x)
-        assert np.array_equal(got.q, want.q)
-        assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16))
+        assert np.array_equal(got.q, want.q), (layout, m, k)
+        assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16)), (layout, m, k)
         # the sum: within one half-precision ulp of the reference (summation order)
         ulp = np.spacing(np.abs(want.s)).astype(np.float32)
-        assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp)
+        assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (layout, m, k)
+
+
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
+def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str) -> None:
+    check_quantize(backend, rng, layout, ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)))
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_quantize_mmq_blocks_per_warp(backend, rng: np.random.Generator, monkeypatch, blocks: int) -> None:
+    """Each variant of the mmq-layout quantizer (launch picks by size), on K not a multiple of its blocks."""
+    from kernels.cuda import launch
+
+    monkeypatch.setattr(launch, "quantize_mmq_blocks", lambda sm_count, m, k: blocks)
+    check_quantize(backend, rng, "mmq", ((1, 32), (3, 96), (5, 576), (67, 4128)))
 
 
 @pytest.mark.parametrize("kernel", CUDA_KERNELS)

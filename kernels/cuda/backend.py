@@ -60,7 +60,7 @@ class CudaBackend:
         budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
         self.total_memory = int(total)
         self.resident = ResidentWeights(budget)
-        self.modules = Modules(self.cc, sources)
+        self.modules = Modules(self.cc, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
         log.info("CUDA: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_name, self.cc,

@@ -147,6 +147,46 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pre
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// ---- Hopper (sm_90+): bulk copies completed on an mbarrier, and programmatic dependent launch ----
+#if __CUDA_ARCH__ >= 900
+#ifndef QGEMM_NO_BULK  // -D for comparisons: mmq with sm_80's cp.async loader
+#define QGEMM_BULK 1
+#endif
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");
+}
+// The calling thread arrives and announces `bytes` of bulk copies that complete the phase.
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+// One contiguous global range (16-byte aligned, a multiple of 16 bytes) into shared memory by the copy engine.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+#endif
+// A kernel launched with programmatic stream serialization (kernels/cuda/pdl.py; gemv's M = 1 kernel) may
+// start while the one before it still runs: it calls wait_for_inputs() before reading what that kernel
+// writes, and before writing anything.  The quantize kernels let dependents launch early.  Both are
+// no-ops for ordinary launches.
+__device__ __forceinline__ void wait_for_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // One thread per output Y[m, n] (threadIdx.x along N, threadIdx.y along M), for the naive rungs:
 // its coordinates, or false when the thread lies past the matrix; and its weight row's first block.
 __device__ __forceinline__ bool output_of_thread(int M, int N, int& m, int& n) {

@@ -17,6 +17,7 @@ import cupy
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from kernels.cuda import pdl
 from kernels.formats import FORMATS, QK, format_of
 from kernels.registry import KernelSpec
 
@@ -78,13 +79,23 @@ def q8_1_buffers(layout: str, m: int, k: int) -> Any:
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
 
+def quantize_mmq_blocks(sm_count: int, m: int, k: int) -> int:
+    """Quant blocks a warp of quantize_q8_1_mmq takes: 1 while a warp per block fits in about one wave
+    (64 warps an SM), more when there are waves to spare, so that each thread has several loads in flight."""
+    warps = cdiv(m, 4) * (k // QK)
+    wave = 64 * sm_count
+    return 1 if warps <= wave else 2 if warps <= 4 * wave else 4
+
+
 def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
     if layout == "split":
         quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
-    elif layout == "mmq":  # a warp per (4 rows, quant block)
+    elif layout == "mmq":  # a warp per (4 rows, g quant blocks)
         m, k = x.shape
         sb = mmq_tiles(m, k, MMQ_BM)[1]
-        mods.function("q8_1.cu", "quantize_q8_1_mmq")((cdiv(cdiv(m, 4) * (k // QK), 8),), (256,),
+        g = quantize_mmq_blocks(mods.sm_count, m, k)
+        warps = cdiv(m, 4) * cdiv(k // QK, g)
+        mods.function("q8_1.cu", "quantize_q8_1_mmq" + ("" if g == 1 else str(g)))((cdiv(warps, 8),), (256,),
                                                       (x, acts["qs"], acts["dc"], acts["s"], I32(m), I32(k), I32(sb)))
     else:
         quantize_q8_1(mods, x, acts)
@@ -110,7 +121,7 @@ def q8_1_to_host(acts: Any, m: int, k: int) -> Any:
 
 MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
 MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4 + MMQ_BM * 8 + MMQ_BN * 8
-MMQ_SMEM = MMQ_STAGES * MMQ_STAGE  # MmqSmem::BYTES
+MMQ_SMEM = MMQ_STAGES * MMQ_STAGE + 8 * MMQ_STAGES  # MmqSmem::BYTES: the stage buffers and their mbarriers
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 
@@ -139,9 +150,9 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
 
 
 def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
-    if m == 1:  # a warp per weight row, dp4a
-        mods.function("fast.cu", f"gemv1_{t}")((cdiv(n, 8),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y, I32(n),
-                                                                        I32(k)))
+    if m == 1:  # a warp per weight row, dp4a; it may start during the quantize kernel (pdl.py)
+        pdl.launch(mods.function("fast.cu", f"gemv1_{t}"), (cdiv(n, 8),), (256,),
+                   (w["qs"], w["d"], a["qs"], a["ds"], y, I32(n), I32(k)), mods.dependent_launch)
     else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA
         mods.function("fast.cu", f"skinny1_{t}")((cdiv(n, 16),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y,
                                                                           I32(m), I32(n), I32(k)))

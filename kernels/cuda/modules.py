@@ -11,6 +11,8 @@ from pathlib import Path
 
 import cupy
 
+from kernels.cuda import pdl
+
 HERE = Path(__file__).parent
 SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "fast.cu", "peak.cu")
 
@@ -28,7 +30,9 @@ def arch_option(cc: int) -> str:
 class Modules:
     """One compiled RawModule per source; `errors` holds the sources that failed to compile."""
 
-    def __init__(self, cc: int, sources: tuple[str, ...] = SOURCES):
+    def __init__(self, cc: int, sources: tuple[str, ...] = SOURCES, dependent_launch: bool = True):
+        self.cc = cc
+        self.dependent_launch = dependent_launch and pdl.available(cc)  # see pdl.py
         self.modules: dict[str, cupy.RawModule] = {}
         self.errors: dict[str, str] = {}
         self._functions: dict[str, cupy.RawKernel] = {}

@@ -11,18 +11,15 @@ struct Q8_1Block4 {
 
 __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     float s[4] = {v.x, v.y, v.z, v.w};
-    float m[4] = {fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w)};
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));  // max: any order
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
-            m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], off));
-        }
+        for (int j = 0; j < 4; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     }
     Q8_1Block4 r;
     r.sum = (s[0] + s[2]) + (s[1] + s[3]);
-    const float amax = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
     r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's q bit for bit
     const float x[4] = {v.x, v.y, v.z, v.w};
     r.packed = 0;
@@ -38,6 +35,7 @@ __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
 // and write nothing, so every lane takes part in the shuffles.
 extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1* __restrict__ y,
                                          long long n_values) {
+    let_dependents_launch();  // the GEMM after may start its weight loads now (kernels/cuda/pdl.py)
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const bool active = i < n_values;
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -52,6 +50,7 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1
 // (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
 extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* __restrict__ qs,
                                                __half2* __restrict__ ds, long long n_values) {
+    let_dependents_launch();  // the GEMM after may start its weight loads now (kernels/cuda/pdl.py)
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const bool active = i < n_values;
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -70,28 +69,50 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 //   s:  [M/64][SB][64 rows][4 blocks] half (sum x)
 // with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = s = 0 here
 // (their quants meet zero weights).
-// A warp quantizes one block of 4 consecutive rows (8 lanes a row, as in the kernels above, so the sums keep
-// their order): its 16-byte quant chunks then land as two runs of 4 core-matrix rows, 64 contiguous bytes each.
-extern "C" __global__ void quantize_q8_1_mmq(const float* __restrict__ x, i8* __restrict__ qs,
-                                             float2* __restrict__ dc, __half* __restrict__ s, int M, int K, int SB) {
-    const int KB = K / QK, lane = threadIdx.x % WARP;
+// A warp quantizes G consecutive blocks of 4 consecutive rows (8 lanes a row, as in the kernels above, so
+// the sums keep their order): each block's 16-byte quant chunks land as two runs of 4 core-matrix rows,
+// 64 contiguous bytes each.  The G blocks' loads are all issued first.  launch.py takes G = 1 while the
+// grid is under a wave (parallelism), G = 2 or 4 above (loads in flight): at M = 512, K = 14336, G = 1
+// ran four waves of one load each, latency-bound (17.3 us against 14.9 with G = 4).
+template <int G>
+__device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
+                             __half* __restrict__ s, int M, int K, int SB) {
+    let_dependents_launch();  // the GEMM after may start now (kernels/cuda/pdl.py)
+    const int KB = K / QK, KG = (KB + G - 1) / G, lane = threadIdx.x % WARP;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    const int kb = int(warp % KB), m = int(warp / KB) * 4 + (lane >> 3), k = kb * QK + (lane & 7) * 4;
-    const bool active = m < M;
-    const float4 v = active ? *reinterpret_cast<const float4*>(x + (size_t)m * K + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    const Q8_1Block4 r = quantize4(v);
-    if (!active) return;
-    const int mr = m & 63, kk = k & 127, within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
+    const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
+    float4 v[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int k = (kb0 + g) * QK + (lane & 7) * 4;
+        v[g] = m < M && kb0 + g < KB ? *reinterpret_cast<const float4*>(x + (size_t)m * K + k)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    const int mr = m & 63;
     const size_t piece = (size_t)(m >> 6) * SB;  // this row tile's first piece
-    *reinterpret_cast<int*>(qs + ((piece + (k >> 7)) << 13) + within) = r.packed;
-    if ((lane & 7) == 0) {
-        const float d = __half2float(__float2half(r.d));
-        dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(d, -12582912.0f * d);
-        s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(r.sum);
-        if (kb == KB - 1)  // the last block of the row zeroes the padding blocks of its last stage
-            for (int kp = kb + 1; kp < 4 * SB; ++kp) {
-                dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
-                s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
-            }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const Q8_1Block4 r = quantize4(v[g]);
+        const int kb = kb0 + g, kk = ((kb & 3) << 5) + (lane & 7) * 4;
+        if (m >= M || kb >= KB) continue;
+        const int within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
+        *reinterpret_cast<int*>(qs + ((piece + (kb >> 2)) << 13) + within) = r.packed;
+        if ((lane & 7) == 0) {
+            const float d = __half2float(__float2half(r.d));
+            dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(d, -12582912.0f * d);
+            s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(r.sum);
+            if (kb == KB - 1)  // the last block of the row zeroes the padding blocks of its last stage
+                for (int kp = kb + 1; kp < 4 * SB; ++kp) {
+                    dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
+                    s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
+                }
+        }
     }
 }
+#define QUANTIZE_MMQ(G, name)                                                                                   \
+    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, __half* s, int M, int K, int SB) {     \
+        quantize_mmq<G>(x, qs, dc, s, M, K, SB);                                                                \
+    }
+QUANTIZE_MMQ(1, quantize_q8_1_mmq)
+QUANTIZE_MMQ(2, quantize_q8_1_mmq2)
+QUANTIZE_MMQ(4, quantize_q8_1_mmq4)

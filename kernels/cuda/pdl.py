@@ -1,0 +1,82 @@
+"""Programmatic dependent launch (Hopper and later): launch a GEMM so that it may start while the
+quantize kernel before it on the stream still runs.  Its blocks get resident, issue their first weight
+loads, and wait in `griddepcontrol.wait` (common.cuh's wait_for_inputs) for the activations; the
+quantize kernels call `griddepcontrol.launch_dependents` as they start.  This hides the launch gap
+between the two kernels, which at M = 1 is as long as the quantize kernel itself.
+
+Only gemv's M = 1 kernel is launched this way (H100, quantize + GEMM: 14.8 -> 14.4 us at Q4_0
+K = 14336, 10.1 -> 8.9 us at Q8_0 K = 4096).  Launched early, a grid lands on whichever SMs the
+quantize kernel leaves free, unevenly: mmq_wgmma (3 blocks an SM) at M = 512 went from 75 to 94 us and
+the skinny M <= 8 kernel lost 15% at K = 14336; mmq gained nothing measurable.
+
+CuPy launches have no launch attributes, so this calls the driver's cuLaunchKernelEx through ctypes
+with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.  It works inside stream capture (the
+bench's CUDA graphs get a programmatic edge).  Where the driver lacks the entry point, or the GPU is
+older than sm_90, or QGEMM_DEPENDENT_LAUNCH=false, `launch` is CuPy's ordinary launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import numpy as np
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID, cuda.h
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_ubyte * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _driver_launch() -> Any:
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_LAUNCH = _driver_launch()
+
+
+def _ctype(arg: Any) -> Any:
+    if isinstance(arg, cupy.ndarray):
+        return ctypes.c_void_p(arg.data.ptr)
+    if isinstance(arg, np.int32):
+        return ctypes.c_int32(int(arg))
+    if isinstance(arg, np.int64):
+        return ctypes.c_int64(int(arg))
+    raise TypeError(f"unsupported kernel argument {type(arg).__name__}")
+
+
+def available(cc: int) -> bool:
+    return _LAUNCH is not None and cc >= 90
+
+
+def launch(kernel: cupy.RawKernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], dependent: bool,
+           shared_mem: int = 0) -> None:
+    """kernel(grid, block, args) on the current stream; `dependent` (where `available`): it may start
+    before the kernel ahead of it ends."""
+    if not dependent:
+        kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+        return
+    values = [_ctype(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    g, b = (list(grid) + [1, 1])[:3], (list(block) + [1, 1])[:3]
+    config = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+                     ctypes.c_void_p(cupy.cuda.get_current_stream().ptr), ctypes.pointer(attr), 1)
+    err = _LAUNCH(ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
