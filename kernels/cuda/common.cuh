@@ -149,9 +149,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 
 // ---- Hopper (sm_90+): bulk copies completed on an mbarrier, and programmatic dependent launch ----
 #if __CUDA_ARCH__ >= 900
-#ifndef QGEMM_NO_BULK  // -D for comparisons: mmq with sm_80's cp.async loader
 #define QGEMM_BULK 1
-#endif
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");

@@ -31,7 +31,6 @@ class Modules:
     """One compiled RawModule per source; `errors` holds the sources that failed to compile."""
 
     def __init__(self, cc: int, sources: tuple[str, ...] = SOURCES, dependent_launch: bool = True):
-        self.cc = cc
         self.dependent_launch = dependent_launch and pdl.available(cc)  # see pdl.py
         self.modules: dict[str, cupy.RawModule] = {}
         self.errors: dict[str, str] = {}
