@@ -21,7 +21,6 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-import cupy
 import numpy as np
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID, cuda.h
@@ -50,7 +49,7 @@ _LAUNCH = _driver_launch()
 
 
 def _ctype(arg: Any) -> Any:
-    if isinstance(arg, cupy.ndarray):
+    if hasattr(arg, "data") and hasattr(arg.data, "ptr"):  # a device array (cupy.ndarray)
         return ctypes.c_void_p(arg.data.ptr)
     if isinstance(arg, np.int32):
         return ctypes.c_int32(int(arg))
@@ -63,13 +62,15 @@ def available(cc: int) -> bool:
     return _LAUNCH is not None and cc >= 90
 
 
-def launch(kernel: cupy.RawKernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], dependent: bool,
+def launch(kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], dependent: bool,
            shared_mem: int = 0) -> None:
     """kernel(grid, block, args) on the current stream; `dependent` (where `available`): it may start
     before the kernel ahead of it ends."""
     if not dependent:
         kernel(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
         return
+    import cupy
+
     values = [_ctype(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
