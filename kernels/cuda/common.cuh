@@ -172,7 +172,7 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned
 #endif
 // A kernel launched with programmatic stream serialization (kernels/cuda/pdl.py; gemv's M = 1 kernel) may
 // start while the one before it still runs: it calls wait_for_inputs() before reading what that kernel
-// writes, and before writing anything.  The quantize kernels let dependents launch early.  Both are
+// writes, and before writing anything.  Its quantize kernel lets dependents launch early.  Both are
 // no-ops for ordinary launches.
 __device__ __forceinline__ void wait_for_inputs() {
 #if __CUDA_ARCH__ >= 900

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (Hopper and later): launch a GEMM so that it may start while the
 quantize kernel before it on the stream still runs.  Its blocks get resident, issue their first weight
-loads, and wait in `griddepcontrol.wait` (common.cuh's wait_for_inputs) for the activations; the
-quantize kernels call `griddepcontrol.launch_dependents` as they start.  This hides the launch gap
-between the two kernels, which at M = 1 is as long as the quantize kernel itself.
+loads, and wait in `griddepcontrol.wait` (common.cuh's wait_for_inputs) for the activations; its
+quantize kernel (`quantize_q8_1_split`) calls `griddepcontrol.launch_dependents` as it starts.  This
+hides the launch gap between the two kernels, which at M = 1 is as long as the quantize kernel itself.
 
 Only gemv's M = 1 kernel is launched this way (H100, quantize + GEMM: 14.8 -> 14.4 us at Q4_0
 K = 14336, 10.1 -> 8.9 us at Q8_0 K = 4096).  Launched early, a grid lands on whichever SMs the

@@ -35,7 +35,6 @@ __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
 // and write nothing, so every lane takes part in the shuffles.
 extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1* __restrict__ y,
                                          long long n_values) {
-    let_dependents_launch();  // the GEMM after may start its weight loads now (kernels/cuda/pdl.py)
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const bool active = i < n_values;
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -50,7 +49,7 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1
 // (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
 extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* __restrict__ qs,
                                                __half2* __restrict__ ds, long long n_values) {
-    let_dependents_launch();  // the GEMM after may start its weight loads now (kernels/cuda/pdl.py)
+    let_dependents_launch();  // gemv's M = 1 kernel may start its weight loads now (kernels/cuda/pdl.py)
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const bool active = i < n_values;
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -77,7 +76,6 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 template <int G>
 __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
                              __half* __restrict__ s, int M, int K, int SB) {
-    let_dependents_launch();  // the GEMM after may start now (kernels/cuda/pdl.py)
     const int KB = K / QK, KG = (KB + G - 1) / G, lane = threadIdx.x % WARP;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
