@@ -4,8 +4,8 @@ loads, and wait in `griddepcontrol.wait` (common.cuh's wait_for_inputs) for the 
 quantize kernel (`quantize_q8_1_split`) calls `griddepcontrol.launch_dependents` as it starts.  This
 hides the launch gap between the two kernels, which at M = 1 is as long as the quantize kernel itself.
 
-Only gemv's M = 1 kernel is launched this way (H100, quantize + GEMM: 14.8 -> 14.4 us at Q4_0
-K = 14336, 10.1 -> 8.9 us at Q8_0 K = 4096).  Launched early, a grid lands on whichever SMs the
+Only gemv's M = 1 kernel is launched this way (H100, quantize + GEMM from HBM, A/B in one run:
+14.9 -> 14.5 us at Q4_0 K = 14336, 9.3 -> 8.9 us at Q8_0 K = 4096).  Launched early, a grid lands on whichever SMs the
 quantize kernel leaves free, unevenly: mmq_wgmma (3 blocks an SM) at M = 512 went from 75 to 94 us and
 the skinny M <= 8 kernel lost 15% at K = 14336; mmq gained nothing measurable.
 
