@@ -103,6 +103,31 @@ def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generato
         assert err <= 1e-10, f"{kernel} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Generator, type_name: str) -> None:
+    """M = 1 products queued on one stream with no host sync, sharing one activation buffer: each kernel may
+    get resident before the one ahead ends (pdl.py), so each quantize must still wait for the gemv before it."""
+    import cupy
+
+    from kernels.cuda import launch
+
+    spec, n, k = KERNELS["gemv"], 257, 4096
+    raw = weights_bank[(type_name, n, k)]
+    xs = [(rng.standard_normal((1, k)) * scale).astype(np.float32) for scale in (1.0, 300.0, 0.003, 20.0)]
+    with backend.stream:
+        w = launch.make_layout(backend.modules, spec.weight_layout, type_name, raw, n, k)
+        acts = launch.q8_1_buffers(spec.activation_layout, 1, k)
+        dx = [cupy.asarray(x) for x in xs]
+        ys = [cupy.full((1, n), cupy.nan, dtype=cupy.float32) for _ in xs]
+        for x, y in zip(dx, ys, strict=True):
+            launch.quantize_into(backend.modules, spec.activation_layout, x, acts)
+            launch.launch_gemm(backend.modules, spec, type_name, w, acts, y, 1, n, k)
+        backend.stream.synchronize()
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        want = expected("q8_1", type_name, raw, x, ref.quantize_q8_1(x))
+        assert ref.nmse(cupy.asnumpy(y), want) <= 1e-10, f"product {i} of {len(xs)}"
+
+
 def test_every_cuda_kernel_is_available(backend) -> None:
     for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
         if KERNELS[name].device_reason(backend.cc) is None:

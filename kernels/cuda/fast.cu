@@ -17,7 +17,7 @@
 // ldmatrix reads one whole 128-byte matrix, so both kernels read it without bank conflicts.
 //
 // A block of 4 warps computes a 64 x 128 tile, each warp 32 x 64 (2 x 8 MMAs per quant block).  K moves
-// a stage at a time through MMQ_STAGES shared-memory buffers filled by cp.async, one barrier per stage.
+// a stage at a time through MMQ_STAGES shared-memory buffers (MmqBlock's loaders, below).
 // Split-K over gridDim.z adds into a zeroed Y.
 //
 // The epilogue is two FFMAs per output and block, on top of the MMA:
@@ -26,7 +26,10 @@
 //     a half, 11 significant bits, times 3*2^22);
 //   * acc = fma(t, w, acc) with w = d_w (Q8_0) or -d_w/8 (Q4_0).
 // Q4_0's -8*d_w*s_a term is a product of two halves, exact in fp32: it goes to the tensor cores as an
-// fp16 MMA (k = the stage's blocks) into the same accumulators, which then hold -out/8.
+// fp16 MMA m16n8k16 into the same accumulators (which then hold -out/8), one per tile every 4 stages
+// (k = 16 blocks): each stage's s_a and d_w pieces land in a ring of MMQ_RING slots, apart from the stage
+// buffers, so a group of 4 stages is still there when its last stage is done.  (An MMA per stage, k8 with
+// half its k zero, cost 4x the MMAs and shared loads.)
 #define MMQ_BM 64
 #define MMQ_BN 128
 #define MMQ_BKB 4
@@ -40,10 +43,18 @@
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
-struct MmqSmem {  // byte offsets within one stage buffer: each global piece as it is; then the barriers
-    static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128;
-    static constexpr int WD = DC + MMQ_BKB * MMQ_BM * 8, SA = WD + MMQ_BKB * MMQ_BN * 4, WH = SA + MMQ_BM * 8;
-    static constexpr int STAGE = WH + MMQ_BN * 8, BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
+#define MMQ_RING 8  // s-term slots: the group of 4 stages being filled and the one waiting for its MMA
+
+// Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then (Q4_0)
+// the s-term ring, then the barriers.  launch.py's mmq_smem() mirrors BYTES.
+template <bool S_TERM>
+struct MmqSmem {
+    static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
+    static constexpr int STAGE = WD + MMQ_BKB * MMQ_BN * 4;
+    static constexpr int SA_SLOT = MMQ_BM * MMQ_BKB * 2, WH_SLOT = MMQ_BN * MMQ_BKB * 2;  // halves [rows][4]
+    static constexpr int RING = S_TERM ? MMQ_RING : 0;
+    static constexpr int SA = MMQ_STAGES * STAGE, WH = SA + RING * SA_SLOT, BARS = WH + RING * WH_SLOT;
+    static constexpr int BYTES = BARS + 8 * MMQ_STAGES;
 };
 
 // D = A*B + MAGIC_I in all four lanes: C is one constant register, so no per-MMA moves to reset it.
@@ -55,11 +66,12 @@ __device__ __forceinline__ void mma_s8_magic(int* d, const int* a, const int* b)
 }
 __device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
 
-// acc += A (16 x 8 halves) * B (8 x 8 halves), fp32 accumulate: the Q4_0 s-term.
-__device__ __forceinline__ void mma_f16_k8(float* acc, unsigned a0, unsigned a1, unsigned b0) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+// acc += A (16 x 16 halves) * B (16 x 8 halves), fp32 accumulate: the Q4_0 s-term.
+__device__ __forceinline__ void mma_f16_k16(float* acc, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
         : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a0), "r"(a1), "r"(b0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
@@ -73,8 +85,9 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
 // and the pipeline that brings stage after stage into MMQ_STAGES shared-memory buffers, by one of two
 // loaders.  BULK (Hopper): one thread hands each piece whole to the copy engine (cp.async.bulk),
 // completing on the buffer's mbarrier.  Otherwise every thread copies 16-byte chunks with cp.async.
-// Measured on the H100 (GEMM alone): bulk is 1-7% faster for Q8_0 and 2-5% slower for Q4_0, so mmq
-// picks it per type; mmq_wgmma always takes it (its tensor cores read through the same async proxy).
+// Measured on the H100 (GEMM alone), bulk is faster for both types: Q8_0 1-7%; Q4_0 4-10% since its
+// s-term pieces go to the ring (sharing stage buffers with them, bulk had been 2-5% slower).  So both
+// kernels take it on Hopper (mmq_wgmma's tensor cores read through the same async proxy anyway).
 // store(): a pair of adjacent outputs (row m, columns n, n+1), or their split-K partial sums.
 #ifdef QGEMM_BULK
 #define MMQ_CAN_BULK true
@@ -104,8 +117,9 @@ struct MmqBlock {
         wh = wh_ + (pn << 9);
     }
 
+    using S = MmqSmem<T::OFFSET8>;
     static __device__ __forceinline__ unsigned long long* bar(char* smem, int buf) {
-        return reinterpret_cast<unsigned long long*>(smem + MmqSmem::BARS) + buf;
+        return reinterpret_cast<unsigned long long*>(smem + S::BARS) + buf;
     }
     // thread tid's first 16-byte chunk of the piece of `stage` (pieces of 1 << shift elements)
     template <typename P>
@@ -113,20 +127,22 @@ struct MmqBlock {
         return reinterpret_cast<const char*>(p + ((size_t)stage << shift)) + threadIdx.x * 16;
     }
     __device__ __forceinline__ void load(char* smem, int stage) const {
-        char* st = smem + (stage % MMQ_STAGES) * MmqSmem::STAGE;
+        char* st = smem + (stage % MMQ_STAGES) * S::STAGE;
+        char* sa_slot = smem + S::SA + (stage % MMQ_RING) * S::SA_SLOT;
+        char* wh_slot = smem + S::WH + (stage % MMQ_RING) * S::WH_SLOT;
         if constexpr (BULK) {  // one thread: the stage's pieces, whole
 #ifdef QGEMM_BULK
             constexpr unsigned bytes = (MMQ_BM + MMQ_BN) * 128 + MMQ_BKB * (MMQ_BM * 8 + MMQ_BN * 4) +
                                        (T::OFFSET8 ? MMQ_BKB * 2 * (MMQ_BM + MMQ_BN) : 0);
             unsigned long long* done = bar(smem, stage % MMQ_STAGES);
             mbar_expect(done, bytes);
-            bulk_copy(st + MmqSmem::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
-            bulk_copy(st + MmqSmem::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
-            bulk_copy(st + MmqSmem::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
-            bulk_copy(st + MmqSmem::WD, wd + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
+            bulk_copy(st + S::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
+            bulk_copy(st + S::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
+            bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
+            bulk_copy(st + S::WD, wd + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
             if constexpr (T::OFFSET8) {
-                bulk_copy(st + MmqSmem::SA, sa + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 2, done);
-                bulk_copy(st + MmqSmem::WH, wh + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 2, done);
+                bulk_copy(sa_slot, sa + ((size_t)stage << 8), S::SA_SLOT, done);
+                bulk_copy(wh_slot, wh + ((size_t)stage << 9), S::WH_SLOT, done);
             }
 #endif
         } else {  // every thread: its 16-byte chunks
@@ -134,15 +150,15 @@ struct MmqBlock {
             st += tid * 16;
 #pragma unroll
             for (int q = 0; q < MMQ_BM / 16; ++q)
-                cp_async16(st + MmqSmem::A + q * 2048, chunk(a, 13, stage) + q * 2048, true);
+                cp_async16(st + S::A + q * 2048, chunk(a, 13, stage) + q * 2048, true);
 #pragma unroll
             for (int q = 0; q < MMQ_BN / 16; ++q)
-                cp_async16(st + MmqSmem::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
-            cp_async16(st + MmqSmem::DC, chunk(dc, 8, stage), true);
-            cp_async16(st + MmqSmem::WD, chunk(wd, 9, stage), true);
+                cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
+            cp_async16(st + S::DC, chunk(dc, 8, stage), true);
+            cp_async16(st + S::WD, chunk(wd, 9, stage), true);
             if constexpr (T::OFFSET8) {
-                if (tid < 32) cp_async16(st + MmqSmem::SA, chunk(sa, 8, stage), true);
-                if (tid < 64) cp_async16(st + MmqSmem::WH, chunk(wh, 9, stage), true);
+                if (tid < S::SA_SLOT / 16) cp_async16(sa_slot + tid * 16, chunk(sa, 8, stage), true);
+                if (tid < S::WH_SLOT / 16) cp_async16(wh_slot + tid * 16, chunk(wh, 9, stage), true);
             }
         }
     }
@@ -180,6 +196,41 @@ struct MmqBlock {
         }
     }
 
+    // Q4_0, after stage s: when s ends a group of 4 stages (or is the last), acc += s_a . d_w over the
+    // group's blocks, one fp16 MMA m16n8k16 per 16 x 8 tile of the warp's MI x NI tiles at (row0, col0).
+    // Fragments: a0/a1 rows g/g+8 and k = blocks 2t, 2t+1 (stage 4*group + t/2); a2/a3 the same rows at
+    // blocks 2t+8, 2t+9 (two stages on); b0/b1 column g at the same k.  A 32-bit word is a row's 2 adjacent
+    // blocks, word (row * 2 + t % 2) of its stage's slot.  Stages past the last read as zeros.
+    template <int MI, int NI>
+    __device__ __forceinline__ void s_term(float (&acc)[MI][NI][4], const char* smem, int s, int row0,
+                                           int col0) const {
+        if ((s & 3) != 3 && s + 1 != stages) return;
+        const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+        const int s_lo = (s & ~3) + (t >> 1), s_hi = s_lo + 2;
+        const bool lo = s_lo < stages, hi = s_hi < stages;
+        auto words = [&](int ring, int slot_bytes, int stage) {  // this thread's words of a stage's slot
+            return reinterpret_cast<const unsigned*>(smem + ring + (stage % MMQ_RING) * slot_bytes) + (t & 1);
+        };
+        const unsigned *sa_lo = words(S::SA, S::SA_SLOT, s_lo), *sa_hi = words(S::SA, S::SA_SLOT, s_hi);
+        const unsigned *wh_lo = words(S::WH, S::WH_SLOT, s_lo), *wh_hi = words(S::WH, S::WH_SLOT, s_hi);
+        unsigned a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            const int r = row0 + mi * 16 + g;
+            a[mi][0] = lo ? sa_lo[r * 2] : 0u;
+            a[mi][1] = lo ? sa_lo[(r + 8) * 2] : 0u;
+            a[mi][2] = hi ? sa_hi[r * 2] : 0u;
+            a[mi][3] = hi ? sa_hi[(r + 8) * 2] : 0u;
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = col0 + ni * 8 + g;
+            const unsigned b[2] = {lo ? wh_lo[n * 2] : 0u, hi ? wh_hi[n * 2] : 0u};
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) mma_f16_k16(acc[mi][ni], a[mi], b);
+        }
+    }
+
     // Q4_0's accumulators hold -out/8
     __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1) const {
         if (m >= M) return;
@@ -203,20 +254,21 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    const MmqBlock<T, MMQ_CAN_BULK && !T::OFFSET8> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
+    const MmqBlock<T, MMQ_CAN_BULK> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
+    using S = typename decltype(blk)::S;
     float acc[2][8][4] = {};
     blk.start(smem);
     // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
     // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
     // 16-31 n-tile 2p+1, each (l & 7) at byte offset 16 * ((l >> 3) & 1): b[2p][0..1], b[2p+1][0..1].
     // In core-matrix order, 8 rows are 1024 bytes and 16 bytes of K are 128.
-    const int a_off = MmqSmem::A + (wm * 4 + ((lane >> 3) & 1)) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
-    const int b_off = MmqSmem::B + (wn * 8 + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
+    const int a_off = S::A + (wm * 4 + ((lane >> 3) & 1)) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
+    const int b_off = S::B + (wn * 8 + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
     for (int s = 0; s < blk.stages; ++s) {
         blk.next(smem, s);
-        const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
-        const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + wm * 32 + g;
-        const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + wn * 64 + 2 * t;
+        const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
+        const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
+        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * 64 + 2 * t;
 #pragma unroll
         for (int j = 0; j < MMQ_BKB; ++j) {
             int a[2][4], b[8][2];
@@ -252,21 +304,7 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
                 }
             }
         }
-        if constexpr (T::OFFSET8) {  // acc += s_a . d_w over the stage's blocks (k 0..3; lanes t >= 2 give zeros)
-            const unsigned* sSA = reinterpret_cast<const unsigned*>(st + MmqSmem::SA);
-            const unsigned* sWH = reinterpret_cast<const unsigned*>(st + MmqSmem::WH);
-            unsigned sa[2][2], sw[8];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sa[mi][h] = t < 2 ? sSA[(wm * 32 + mi * 16 + g + 8 * h) * 2 + t] : 0u;
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni) sw[ni] = t < 2 ? sWH[(wn * 64 + ni * 8 + g) * 2 + t] : 0u;
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < 8; ++ni) mma_f16_k8(acc[mi][ni], sa[mi][0], sa[mi][1], sw[ni]);
-        }
+        if constexpr (T::OFFSET8) blk.s_term(acc, smem, s, wm * 32, wn * 64);
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -327,17 +365,18 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const MmqBlock<T, true> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
-    float acc[16][4] = {};  // n8 tile i: (row 16w+g, col 8i+2t), (.., +1), (row +8, ..), (.., +1)
+    using S = typename decltype(blk)::S;
+    float acc[1][16][4] = {};  // n8 tile i: (row 16w+g, col 8i+2t), (.., +1), (row +8, ..), (.., +1)
     int d[2][32];
     blk.start(smem);
     for (int s = 0; s < blk.stages; ++s) {
         blk.next(smem, s);  // bulk copies: written and read by the async proxy, ordered by the mbarrier
-        const char* st = smem + (s % MMQ_STAGES) * MmqSmem::STAGE;
-        const float2* sDC = reinterpret_cast<const float2*>(st + MmqSmem::DC) + warp * 16 + g;
-        const float* sWD = reinterpret_cast<const float*>(st + MmqSmem::WD) + 2 * t;
+        const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
+        const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + warp * 16 + g;
+        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + 2 * t;
         // half u = (block j = u/2, columns 64*(u%2)..): A at 256j, B at 8192*(u%2) + 256j
         wgmma_fence();
-        wgmma_m64n64k32_s8(d[0], wgmma_desc(st + MmqSmem::A), wgmma_desc(st + MmqSmem::B));
+        wgmma_m64n64k32_s8(d[0], wgmma_desc(st + S::A), wgmma_desc(st + S::B));
         wgmma_commit();
 #pragma unroll
         for (int u = 0; u < 2 * MMQ_BKB; ++u) {
@@ -345,8 +384,8 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
                 const int v = u + 1;
                 fence_regs(d[v & 1]);
                 wgmma_fence();
-                wgmma_m64n64k32_s8(d[v & 1], wgmma_desc(st + MmqSmem::A + 256 * (v >> 1)),
-                                   wgmma_desc(st + MmqSmem::B + 8192 * (v & 1) + 256 * (v >> 1)));
+                wgmma_m64n64k32_s8(d[v & 1], wgmma_desc(st + S::A + 256 * (v >> 1)),
+                                   wgmma_desc(st + S::B + 8192 * (v & 1) + 256 * (v >> 1)));
                 wgmma_commit();
                 wgmma_wait<1>();
             } else {
@@ -358,7 +397,7 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + 64 * h + 8 * i);
-                float* o = acc[8 * h + i];
+                float* o = acc[0][8 * h + i];
                 const int* c = d[u & 1] + 4 * i;
                 o[0] = fmaf(fmaf(__int_as_float(c[0] + MAGIC_I), da0.x, da0.y), w.x, o[0]);
                 o[1] = fmaf(fmaf(__int_as_float(c[1] + MAGIC_I), da0.x, da0.y), w.y, o[1]);
@@ -366,21 +405,14 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
                 o[3] = fmaf(fmaf(__int_as_float(c[3] + MAGIC_I), da1.x, da1.y), w.y, o[3]);
             }
         }
-        if constexpr (T::OFFSET8) {  // acc += s_a . d_w over the stage's blocks, as in mmq
-            const unsigned* sSA = reinterpret_cast<const unsigned*>(st + MmqSmem::SA);
-            const unsigned* sWH = reinterpret_cast<const unsigned*>(st + MmqSmem::WH);
-            const unsigned sa0 = t < 2 ? sSA[(warp * 16 + g) * 2 + t] : 0u;
-            const unsigned sa1 = t < 2 ? sSA[(warp * 16 + g + 8) * 2 + t] : 0u;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) mma_f16_k8(acc[i], sa0, sa1, t < 2 ? sWH[(8 * i + g) * 2 + t] : 0u);
-        }
+        if constexpr (T::OFFSET8) blk.s_term(acc, smem, s, warp * 16, 0);
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            blk.store(Y, M, N, atomic, blk.m0 + warp * 16 + g + 8 * hh, blk.n0 + 8 * i + 2 * t, acc[i][2 * hh],
-                      acc[i][2 * hh + 1]);
+            blk.store(Y, M, N, atomic, blk.m0 + warp * 16 + g + 8 * hh, blk.n0 + 8 * i + 2 * t, acc[0][i][2 * hh],
+                      acc[0][i][2 * hh + 1]);
 }
 
 #define MMQ_WG(t, T)                                                                                            \
@@ -396,12 +428,16 @@ QGEMM_FOR_TYPES(MMQ_WG)
 // M == 1: a warp per weight row of the split layout, lanes over K blocks, 16-byte loads of weights and
 // activations.  Software-pipelined: a lane issues the loads of its next GEMV_U weight blocks before it
 // computes the current ones, so 2 * GEMV_U blocks a lane are in flight, and the first ones go out
-// before the kernel waits for the quantized activations (programmatic dependent launch).
+// before the kernel waits for the quantized activations.  Programmatic dependent launch both ways
+// (pdl.py): this kernel gets resident while its quantize kernel runs, and lets the next quantize kernel
+// get resident while it runs.  (GEMV_U: 1 and 3 measured slower than 2, rows a warp 2 and 4 slower
+// than 1, activations loaded a step ahead slower too.)
 #ifndef GEMV_U
 #define GEMV_U 2
 #endif
 template <typename T>
 struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of them)
+    static constexpr bool KEEP_L1 = !T::OFFSET8;  // see load_once
     int4 w[GEMV_U][T::QS_BYTES / 16];
     __half d[GEMV_U];
     __device__ __forceinline__ void load(const int4* wrow, const __half* drow, int kb0, int KB) {
@@ -410,8 +446,9 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
             const int kb = kb0 + u * WARP;
             if (kb < KB) {
 #pragma unroll
-                for (int v = 0; v < T::QS_BYTES / 16; ++v) w[u][v] = __ldg(wrow + (size_t)kb * (T::QS_BYTES / 16) + v);
-                d[u] = drow[kb];
+                for (int v = 0; v < T::QS_BYTES / 16; ++v)
+                    w[u][v] = load_once<KEEP_L1>(wrow + ((size_t)kb * (T::QS_BYTES / 16) + v));
+                d[u] = load_once<KEEP_L1>(drow + kb);
             }
         }
     }
@@ -430,6 +467,7 @@ __device__ void gemv1(const u8* __restrict__ wq, const __half* __restrict__ wd, 
     float acc = 0.0f;
     GemvStep<T> cur, nxt;
     cur.load(wrow, drow, lane, KB);
+    let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
     wait_for_inputs();
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
         nxt.load(wrow, drow, kb0 + WARP * GEMV_U, KB);

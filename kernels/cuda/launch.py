@@ -58,8 +58,9 @@ def _vec_dp4a(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: i
 
 
 def quantize_q8_1_split(mods: Any, x: cupy.ndarray, qs: cupy.ndarray, ds: cupy.ndarray) -> None:
-    n = x.size
-    mods.function("q8_1.cu", "quantize_q8_1_split")((cdiv(n, 1024),), (256,), (x, qs, ds, I64(n)))
+    n = x.size  # dependent launch: it may get resident while the GEMM ahead of it ends (pdl.py)
+    pdl.launch(mods.function("q8_1.cu", "quantize_q8_1_split"), (cdiv(n, 1024),), (256,), (x, qs, ds, I64(n)),
+               mods.dependent_launch)
 
 
 def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
@@ -120,8 +121,16 @@ def q8_1_to_host(acts: Any, m: int, k: int) -> Any:
 
 
 MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
-MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4 + MMQ_BM * 8 + MMQ_BN * 8
-MMQ_SMEM = MMQ_STAGES * MMQ_STAGE + 8 * MMQ_STAGES  # MmqSmem::BYTES: the stage buffers and their mbarriers
+MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4
+MMQ_RING = 8  # Q4_0's s-term ring: slots of a stage's s_a and d_w halves, apart from the stage buffers
+
+
+def mmq_smem(t: str, stages: int = MMQ_STAGES) -> int:
+    """MmqSmem<S_TERM>::BYTES: the stage buffers, Q4_0's s-term ring and the stages' mbarriers."""
+    ring = MMQ_RING * MMQ_BKB * (MMQ_BM + MMQ_BN) * 2 if t == "q4_0" else 0
+    return stages * MMQ_STAGE + ring + 8 * stages
+
+
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 
@@ -142,11 +151,12 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     if splits > 1:
         y.fill(0)
     fn = mods.function("fast.cu", f"{base}_{t}")
-    if fn.max_dynamic_shared_size_bytes < MMQ_SMEM:
-        fn.max_dynamic_shared_size_bytes = MMQ_SMEM  # two stages: over the 48 KiB default
+    smem = mmq_smem(t)
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
     fn((cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits), (MMQ_THREADS,),
        (w["wq"], w["wd"], w["wh"], a["qs"], a["dc"], a["s"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
-       shared_mem=MMQ_SMEM)
+       shared_mem=smem)
 
 
 def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:

@@ -1,13 +1,19 @@
-"""Programmatic dependent launch (Hopper and later): launch a GEMM so that it may start while the
-quantize kernel before it on the stream still runs.  Its blocks get resident, issue their first weight
-loads, and wait in `griddepcontrol.wait` (common.cuh's wait_for_inputs) for the activations; its
-quantize kernel (`quantize_q8_1_split`) calls `griddepcontrol.launch_dependents` as it starts.  This
-hides the launch gap between the two kernels, which at M = 1 is as long as the quantize kernel itself.
+"""Programmatic dependent launch (Hopper and later): launch a kernel so that it may get resident while
+the kernel before it on the stream still runs.  It waits in `griddepcontrol.wait` (common.cuh's
+wait_for_inputs) for that kernel to end before it reads what it wrote or writes what it reads; the
+kernel before calls `griddepcontrol.launch_dependents` to let it start early.
 
-Only gemv's M = 1 kernel is launched this way (H100, quantize + GEMM from HBM, A/B in one run:
-14.9 -> 14.5 us at Q4_0 K = 14336, 9.3 -> 8.9 us at Q8_0 K = 4096).  Launched early, a grid lands on whichever SMs the
-quantize kernel leaves free, unevenly: mmq_wgmma (3 blocks an SM) at M = 512 went from 75 to 94 us and
-the skinny M <= 8 kernel lost 15% at K = 14336; mmq gained nothing measurable.
+Used at M = 1, both ways round: gemv's kernel is launched dependent on its quantize kernel
+(`quantize_q8_1_split` lets it launch as it starts, and gemv issues its first weight loads before it
+waits), and the split quantize kernel is launched dependent on whatever came before (gemv lets it launch
+once its own first loads are out; it waits before it reads x).  That hides both launch gaps of a stream
+of M = 1 products.  H100, quantize + GEMM from HBM, A/B in one run: the gemv side alone took Q4_0
+K = 14336 from 14.9 to 14.5 us and Q8_0 K = 4096 from 9.3 to 8.9; the quantize side took them on to
+13.9 and 8.2 (all of it off: 14.6-14.8 and 9.4).
+
+Not used for the others.  Launched early, a grid lands on whichever SMs the quantize kernel leaves free,
+unevenly: mmq_wgmma (3 blocks an SM) at M = 512 went from 75 to 94 us and the skinny M <= 8 kernel lost
+15% at K = 14336; mmq gained nothing measurable, nor did launching mmq's quantize kernel dependent on it.
 
 CuPy launches have no launch attributes, so this calls the driver's cuLaunchKernelEx through ctypes
 with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION.  It works inside stream capture (the

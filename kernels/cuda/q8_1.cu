@@ -49,7 +49,10 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1
 // (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
 extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* __restrict__ qs,
                                                __half2* __restrict__ ds, long long n_values) {
-    let_dependents_launch();  // gemv's M = 1 kernel may start its weight loads now (kernels/cuda/pdl.py)
+    // Launched dependent on the GEMM ahead of it (kernels/cuda/pdl.py): gemv's M = 1 kernel may start its
+    // weight loads now, and this kernel waits for the one before it before it reads x or overwrites qs/ds.
+    let_dependents_launch();
+    wait_for_inputs();
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const bool active = i < n_values;
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
