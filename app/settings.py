@@ -27,7 +27,7 @@ class Settings(BaseModel):
     cpu_cache_bytes: int = Field(2048 * MiB, ge=0)  # prepared weights kept for the CPU kernels
     gpu_memory_bytes: int | None = Field(None, ge=0)  # resident weights on the GPU; None: a share of free
     log_level: str = "info"
-    dependent_launch: bool = True  # GEMMs may start while their quantize kernel runs (sm_90+; kernels/cuda/pdl.py)
+    dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
     @field_validator("api_key")
     @classmethod
