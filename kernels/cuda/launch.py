@@ -125,10 +125,10 @@ MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * 
 MMQ_RING = 8  # Q4_0's s-term ring: slots of a stage's s_a and d_w halves, apart from the stage buffers
 
 
-def mmq_smem(t: str, stages: int = MMQ_STAGES) -> int:
+def mmq_smem(t: str) -> int:
     """MmqSmem<S_TERM>::BYTES: the stage buffers, Q4_0's s-term ring and the stages' mbarriers."""
     ring = MMQ_RING * MMQ_BKB * (MMQ_BM + MMQ_BN) * 2 if t == "q4_0" else 0
-    return stages * MMQ_STAGE + ring + 8 * stages
+    return MMQ_STAGES * (MMQ_STAGE + 8) + ring
 
 
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
