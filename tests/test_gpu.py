@@ -58,21 +58,41 @@ def expected(spec_format: str, type_name: str, raw: np.ndarray, x: np.ndarray, q
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
+def compare_quantize(backend, x: np.ndarray, layout: str) -> None:
+    m, k = x.shape
+    got, want = backend.quantize(x, layout), ref.quantize_q8_1(x)
+    assert np.array_equal(got.q, want.q), (layout, m, k)
+    assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16)), (layout, m, k)
+    # the sum: within one half-precision ulp of the reference (summation order)
+    ulp = np.spacing(np.abs(want.s)).astype(np.float32)
+    assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (layout, m, k)
+
+
 def check_quantize(backend, rng: np.random.Generator, layout: str, shapes: tuple[tuple[int, int], ...]) -> None:
     for m, k in shapes:
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
         x[0, :32] = 0.0  # a zero block
-        got, want = backend.quantize(x, layout), ref.quantize_q8_1(x)
-        assert np.array_equal(got.q, want.q), (layout, m, k)
-        assert np.array_equal(got.d.view(np.uint16), want.d.view(np.uint16)), (layout, m, k)
-        # the sum: within one half-precision ulp of the reference (summation order)
-        ulp = np.spacing(np.abs(want.s)).astype(np.float32)
-        assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (layout, m, k)
+        compare_quantize(backend, x, layout)
 
 
 @pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
 def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str) -> None:
     check_quantize(backend, rng, layout, ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)))
+
+
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
+def test_quantize_q8_1_half_way_values(backend, rng: np.random.Generator, layout: str) -> None:
+    """Values whose x/d is a half-integer, or a float step from one: where x * (1/d), the kernels' fast
+    path, and the reference's x / d can round apart (1/25 rounds down in fp32), so the kernels divide."""
+    m, blocks = 7, 40
+    d = rng.choice(np.array([25.0, 3.0, 7.0, 0.2, 1 / 3, 0.015625, 1e-3], dtype=np.float32), (m, blocks, 1))
+    k_half = rng.integers(-127, 127, (m, blocks, 32)).astype(np.float32) + np.float32(0.5)
+    xb = (k_half * d).astype(np.float32)
+    step = rng.integers(-1, 2, xb.shape)  # nudge a third of them down and a third up by one float step
+    down, up = np.nextafter(xb, np.float32(-np.inf)), np.nextafter(xb, np.float32(np.inf))
+    xb = np.where(step < 0, down, np.where(step > 0, up, xb))
+    xb[..., 0] = (np.float32(127) * d[..., 0]) * rng.choice(np.array([-1, 1], np.float32), (m, blocks))  # amax
+    compare_quantize(backend, xb.reshape(m, blocks * 32).astype(np.float32), layout)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 4])
