@@ -113,14 +113,34 @@ def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generato
         reason = spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec)
         if reason:
             continue  # the kernel says why; auto never picks it there
-        raw = weights_bank[(type_name, n, k)]
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        w = Weights(("bank", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
-        res = backend.run(spec, w, x, poison=True, keep_q8_1=True)
-        assert res.output.shape == (m, n) and np.isfinite(res.output).all(), (kernel, m, n, k)
-        want = expected(spec.activation_format, type_name, raw, x, res.activations_q8_1)
-        err = ref.nmse(res.output, want)
-        assert err <= 1e-10, f"{kernel} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}"
+        check_kernel(backend, spec, type_name, weights_bank[(type_name, n, k)], rng.standard_normal((m, k)))
+
+
+def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray) -> None:
+    (m, k), n = x.shape, raw.shape[0]
+    x = x.astype(np.float32)
+    w = Weights(("bank", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
+    res = backend.run(spec, w, x, poison=True, keep_q8_1=True)
+    assert res.output.shape == (m, n) and np.isfinite(res.output).all(), (spec.name, m, n, k)
+    want = expected(spec.activation_format, type_name, raw, x, res.activations_q8_1)
+    err = ref.nmse(res.output, want)
+    assert err <= 1e-10, f"{spec.name} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_mmq_build_for_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
+                                     type_name: str) -> None:
+    """launch.py runs mmq's build for grids of more than one wave (mmq_waves_*) on big M; the test's shapes
+    get it by pretending the GPU has 2 SMs (room for 4 blocks)."""
+    if backend.kernel_reason(KERNELS["mmq"]) or KERNELS["mmq"].can_run(type_name, 300, 257, 96, backend.cc):
+        pytest.skip("mmq does not run here")
+    ran: list[str] = []
+    function = backend.modules.function
+    monkeypatch.setattr(backend.modules, "sm_count", 2)
+    monkeypatch.setattr(backend.modules, "function", lambda src, name: ran.append(name) or function(src, name))
+    for m, n, k in ((300, 257, 96), (70, 257, 4096), (300, 33, 32)):
+        check_kernel(backend, KERNELS["mmq"], type_name, weights_bank[(type_name, n, k)], rng.standard_normal((m, k)))
+    assert ran.count(f"mmq_waves_{type_name.lower()}") == 3, ran
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])

@@ -246,7 +246,22 @@ struct MmqBlock {
     }
 };
 
-template <typename T>
+// How many of a stage's 4 quant blocks the loop body unrolls (ptxas schedules each differently; measured
+// on the H100, GEMM alone).  Fully unrolled, Q4_0 (whose s-term keeps a few more registers live) spills
+// 16 bytes in the loop; unrolled by 2 it does not: K=4096 M=512 57.0 -> 56.0 us, K=14336 M=512 177 ->
+// 171.  Grids of several waves (M=2048) run faster still with the loop not unrolled: K=4096 212 -> 191,
+// K=14336 700 -> 660; one wave runs slower so (59 us at K=4096 M=512).  Q8_0 is fastest fully unrolled
+// everywhere (10% slower by 2 or 1 at M=512, the same at M=2048).
+template <typename T, bool WAVES>
+struct MmqUnroll {
+#ifdef MMQ_UNROLL  // dev: -D overrides
+    static constexpr int BLOCKS = MMQ_UNROLL;
+#else
+    static constexpr int BLOCKS = !T::OFFSET8 ? MMQ_BKB : WAVES ? 1 : 2;
+#endif
+};
+
+template <typename T, int UNROLL>
 __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
                     const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
                     float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
@@ -269,7 +284,7 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * 64 + 2 * t;
-#pragma unroll
+#pragma unroll UNROLL
         for (int j = 0; j < MMQ_BKB; ++j) {
             int a[2][4], b[8][2];
 #pragma unroll
@@ -573,7 +588,13 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                                \
         mmq_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc, const __half* as, \
                 float* Y, int M, int N, int K, int stages_per_split, int atomic) {                              \
-        mmq<T>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);                                       \
+        mmq<T, MmqUnroll<T, false>::BLOCKS>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);          \
+    }                                                                                                           \
+    /* the same for grids of more than one wave (launch.py picks) */                                            \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
+        mmq_waves_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,            \
+                      const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {      \
+        mmq<T, MmqUnroll<T, true>::BLOCKS>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int N, int K) {   \
