@@ -1,12 +1,13 @@
 """`qgemm bench`: every available GPU kernel on the seeds' shapes, timed with CUDA events.
 
 Method: weights from the demo model (real GGUF blocks), uploaded in each kernel's layout; per
-(kernel, M) a warm-up, then the median of `--reps` timed runs, each run its own pair of events.
-Weights rotate among enough copies to exceed L2 three times over (HBM figure); a same-buffer
-figure (weights from L2 where they fit, as llama.cpp times itself) is taken beside it.  Quantize
-(FP32 -> Q8_1, or the cast for fp16) and GEMM are timed apart and summed.  NMSE is against the
-FP64 product of the dequantized weights, computed on the GPU.  Compilation happens before timing.
-"""
+(kernel, M) warm-up calls, then back-to-back calls captured in a CUDA graph and replayed between a pair
+of events (median per call); a call that cannot be captured is timed with a pair of events per call,
+and the report names those kernels.  Weights rotate among enough copies to exceed L2 three times over
+(HBM figure); a same-buffer figure (weights from L2 where they fit, as llama.cpp times itself) is taken
+beside it.  Quantize (FP32 -> Q8_1, or the cast for fp16) + GEMM are timed together as one pair, and
+apart beside it.  NMSE is against the FP64 product of the dequantized weights, computed on the GPU.
+Compilation happens before timing."""
 
 from __future__ import annotations
 
@@ -237,6 +238,15 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _timing_note(result: dict[str, Any]) -> str:
+    """Which kernels, if any, could not be captured in a graph and were timed call by call."""
+    names = sorted({r["kernel"] for r in result["rows"] if r.get("timing") == "events"})
+    if not names:
+        return "Every row, the cuBLAS baselines included, was timed this way."
+    return (f"Not capturable, so timed with a pair of events per call (their figures include Python's launch "
+            f"cost): {', '.join(f'`{n}`' for n in names)}.")
+
+
 def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
     """docs/benchmarks.md: device, date, method, ceilings, the table and the picture."""
     return f"""# Benchmarks
@@ -249,7 +259,8 @@ Method: weights are the demo model's tensors (`blk.0.attn_q` Q4_0 and `blk.0.att
 Kernels are compiled before timing ({result['compile_ms']:.0f} ms at start-up). Per (kernel, M): warm-up
 runs, then {result['reps']} back-to-back calls captured in a CUDA graph, replayed {result['reps']} times between CUDA
 events; the figure is the median replay over the calls in it (calls slower than 2 ms go into graphs of fewer
-calls). Graphs keep CuPy's Python launch cost out of the figures, as llama.cpp's C++ repeats its op. "HBM"
+calls). Graphs keep CuPy's Python launch cost out of the figures, as llama.cpp's C++ repeats its op.
+{_timing_note(result)} "HBM"
 rotates the weights among enough copies to fill L2 three times over; "same buffer" reuses one copy, as
 llama.cpp's `test-backend-ops` times itself (so weights that fit in L2 come from L2). The
 comparable figure is quantize (FP32 to Q8_1 on the device, or the fp16 cast) + GEMM, timed together as

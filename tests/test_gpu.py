@@ -168,6 +168,35 @@ def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Gen
         assert ref.nmse(cupy.asnumpy(y), want) <= 1e-10, f"product {i} of {len(xs)}"
 
 
+@pytest.mark.parametrize("kernel", ["cublas_f16", "cublas_f32"])
+def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.random.Generator, kernel: str) -> None:
+    """The bench times every kernel from CUDA-graph replays, the cuBLAS baselines too: CuPy refuses cuBLAS
+    calls during stream capture, so kernels/cuda/cublas.py calls it directly.  A replay equals a plain call."""
+    import cupy
+
+    from kernels.cuda import launch
+
+    spec, (m, n, k) = KERNELS[kernel], (17, 257, 4096)
+    if backend.kernel_reason(spec):
+        pytest.skip(backend.kernel_reason(spec))
+    raw = weights_bank[("Q8_0", n, k)]
+    x = rng.standard_normal((m, k)).astype(np.float16 if spec.activation_format == "f16" else np.float32)
+    with backend.stream as s:
+        w = launch.make_layout(backend.modules, spec.weight_layout, "Q8_0", raw, n, k)
+        xd = cupy.asarray(x)
+        want, y = (cupy.full((m, n), cupy.nan, dtype=cupy.float32) for _ in range(2))
+        launch.launch_gemm(backend.modules, spec, "Q8_0", w, xd, want, m, n, k)
+        s.begin_capture()
+        try:
+            launch.launch_gemm(backend.modules, spec, "Q8_0", w, xd, y, m, n, k)
+        finally:
+            graph = s.end_capture()
+        graph.launch(s)
+        s.synchronize()
+    assert np.isfinite(cupy.asnumpy(want)).all()
+    assert np.array_equal(cupy.asnumpy(y), cupy.asnumpy(want))
+
+
 def test_every_cuda_kernel_is_available(backend) -> None:
     for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
         if KERNELS[name].device_reason(backend.cc) is None:
