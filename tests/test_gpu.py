@@ -197,6 +197,16 @@ def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.ran
     assert np.array_equal(cupy.asnumpy(y), cupy.asnumpy(want))
 
 
+@pytest.mark.parametrize("kernel", ["cublas_f16", "cublas_f32"])
+def test_cublas_baselines_without_ctypes(backend, weights_bank, rng: np.random.Generator, monkeypatch,
+                                         kernel: str) -> None:
+    """Where libcublas cannot be reached through ctypes, the baselines fall back to CuPy's cuBLAS call."""
+    from kernels.cuda import cublas
+
+    monkeypatch.setattr(cublas, "_lib", lambda: None)
+    check_kernel(backend, KERNELS[kernel], "Q8_0", weights_bank[("Q8_0", 257, 4096)], rng.standard_normal((17, 4096)))
+
+
 def test_every_cuda_kernel_is_available(backend) -> None:
     for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
         if KERNELS[name].device_reason(backend.cc) is None:
