@@ -95,6 +95,19 @@ def test_quantize_q8_1_half_way_values(backend, rng: np.random.Generator, layout
     compare_quantize(backend, xb.reshape(m, blocks * 32).astype(np.float32), layout)
 
 
+@pytest.mark.xfail(strict=True, reason="known bug: CuPy compiles every kernel with -ftz=true, so a block whose "
+                   "d = amax/127 is subnormal (amax < ~1.5e-36) gets d = 0 and garbage quants; the reference keeps "
+                   "subnormals. Needs quantize without FTZ (PTX ops without .ftz).")
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
+def test_quantize_q8_1_tiny_blocks(backend, rng: np.random.Generator, layout: str) -> None:
+    """Blocks so small that d = amax/127 is subnormal (and 1/d overflows): the reference's q = roundf(x/d)
+    is still well defined there, and the kernels should give it."""
+    m, k = 5, 256
+    x = (rng.standard_normal((m, k)) * rng.choice(np.array([1e-38, 1e-40, 1.0], np.float32), (m, 1))).astype(np.float32)
+    x[0, 5] = 0.0  # a zero value inside a tiny block
+    compare_quantize(backend, x, layout)
+
+
 @pytest.mark.parametrize("blocks", [1, 2, 4])
 def test_quantize_mmq_blocks_per_warp(backend, rng: np.random.Generator, monkeypatch, blocks: int) -> None:
     """Each variant of the mmq-layout quantizer (launch picks by size), on K not a multiple of its blocks."""

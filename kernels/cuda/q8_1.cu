@@ -23,17 +23,26 @@ __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's d bit for bit
     // q = roundf(x / d) bit for bit with one IEEE division a block, not one a value: y = x * fl(1/d) is
     // within |x/d| * 2^-23 <= 1.52e-5 of x/d, and fl(x/d) within 2^-18 of it, so y and fl(x/d) round
-    // alike unless y lies within 2^-15 (3.05e-5) of a half-integer; there the division decides (about 6
-    // values in 10^5).
+    // alike unless y lies within 2^-15 (3.05e-5) of a half-integer, i.e. |y - rint(y)| > 0.5 - 2^-15.
+    // Away from half-integers rint (one FRND) and roundf agree.  Near one (about 6 values in 10^5) the
+    // thread redoes its 4 values with the reference's division: one rarely taken branch, not one a value.
     const float inv = amax == 0.0f ? 0.0f : 1.0f / r.d;
     const float x[4] = {v.x, v.y, v.z, v.w};
-    r.packed = 0;
+    float q[4];
+    bool near_half = false;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        float y = x[j] * inv;
-        if (fabsf(fabsf(y - truncf(y)) - 0.5f) < 0x1p-15f) y = x[j] / r.d;
-        r.packed |= (int(roundf(y)) & 0xff) << (8 * j);
+        const float y = x[j] * inv;
+        q[j] = rintf(y);
+        near_half |= fabsf(y - q[j]) > 0.5f - 0x1p-15f;
     }
+    if (near_half) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[j] = roundf(x[j] / r.d);
+    }
+    r.packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.packed |= (__float2int_rn(q[j]) & 0xff) << (8 * j);
     return r;
 }
 
@@ -85,8 +94,8 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 template <int G>
 __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
                              __half* __restrict__ s, int M, int K, int SB) {
-    const int KB = K / QK, KG = (KB + G - 1) / G, lane = threadIdx.x % WARP;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const int KB = K / QK, lane = threadIdx.x % WARP;
+    const unsigned KG = (KB + G - 1) / G, warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
     float4 v[G];
 #pragma unroll
