@@ -6,6 +6,7 @@ cache (keyed on the source text) never serves a kernel built against an older he
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from kernels.cuda import pdl
 
 HERE = Path(__file__).parent
 SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "fast.cu", "peak.cu")
+# Compiled with IEEE subnormals.  CuPy's RawModule appends -ftz=true to every compile (and NVRTC takes the
+# last of two -ftz flags), which flushes a block's subnormal scale d = amax/127 to zero; the quantizer
+# must give the reference's d and q there, so it is compiled here with -ftz=false and loaded as a cubin.
+IEEE_SOURCES = ("q8_1.cu",)
 
 
 def source(name: str) -> str:
@@ -25,6 +30,23 @@ def source(name: str) -> str:
 def arch_option(cc: int) -> str:
     # sm_90a unlocks Hopper's wgmma / setmaxnreg; other GPUs get their own plain target
     return "-arch=sm_90a" if cc == 90 else f"-arch=sm_{cc}"
+
+
+def compile_module(name: str, cc: int) -> cupy.RawModule:
+    """The source compiled and loaded, so that no request ever waits on NVRTC."""
+    if name not in IEEE_SOURCES:
+        mod = cupy.RawModule(code=source(name), options=(arch_option(cc), "-std=c++17"))
+        mod.compile()
+        return mod
+    # NVRTC straight (no -ftz=true appended), with the include paths CuPy gives its own compiles
+    options = cupy._core.core.assemble_cupy_compiler_options(("-std=c++17", "-ftz=false"))
+    binary, _ = cupy.cuda.compiler.compile_using_nvrtc(source(name), options=options, arch=str(cc))
+    with tempfile.TemporaryDirectory(prefix="qgemm-") as tmp:
+        path = Path(tmp) / (name + ".bin")
+        path.write_bytes(binary)  # a cubin, or PTX where NVRTC knows no newer SASS than this device's
+        mod = cupy.RawModule(path=str(path))
+        mod.compile()  # loads the module now, before the file goes
+    return mod
 
 
 class Modules:
@@ -38,9 +60,7 @@ class Modules:
         t0 = time.perf_counter()
         for name in sources:
             try:
-                mod = cupy.RawModule(code=source(name), options=(arch_option(cc), "-std=c++17"))
-                mod.compile()  # compile now (start-up), never inside a request
-                self.modules[name] = mod
+                self.modules[name] = compile_module(name, cc)  # now (start-up), never inside a request
             except Exception as exc:  # keep the other modules usable; the registry reports why
                 self.errors[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
         self.compile_ms = (time.perf_counter() - t0) * 1e3

@@ -1,7 +1,8 @@
 // On-device FP32 -> Q8_1, as llama.cpp's quantize_q8_1: d = amax/127, q = roundf(x/d), ds = (d, sum x).
 // Each thread takes 4 consecutive values (one float4 load), 8 threads a 32-value block.  The sum keeps
 // the warp butterfly's order exactly (offsets 16, 8, 4 are lane xors 4, 2, 1; offsets 2, 1 are inside
-// the thread: (v0 + v2) + (v1 + v3)), so it matches the reference bit for bit.
+// the thread: (v0 + v2) + (v1 + v3)), so it matches the reference bit for bit.  Compiled with -ftz=false
+// (modules.py): a block whose d is subnormal gets the reference's d and q too.
 #include "common.cuh"
 
 struct Q8_1Block4 {
@@ -24,19 +25,20 @@ __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     // q = roundf(x / d) bit for bit with one IEEE division a block, not one a value: y = x * fl(1/d) is
     // within |x/d| * 2^-23 <= 1.52e-5 of x/d, and fl(x/d) within 2^-18 of it, so y and fl(x/d) round
     // alike unless y lies within 2^-15 (3.05e-5) of a half-integer, i.e. |y - rint(y)| > 0.5 - 2^-15.
-    // Away from half-integers rint (one FRND) and roundf agree.  Near one (about 6 values in 10^5) the
-    // thread redoes its 4 values with the reference's division: one rarely taken branch, not one a value.
+    // Away from half-integers rint (one FRND) and roundf agree.  Near one (about 6 values in 10^5), or
+    // where 1/d overflows (subnormal d below 2^-128: y is inf or NaN, and the test below is false for both),
+    // the thread redoes its 4 values with the reference's division: one rarely taken branch, not one a value.
     const float inv = amax == 0.0f ? 0.0f : 1.0f / r.d;
     const float x[4] = {v.x, v.y, v.z, v.w};
     float q[4];
-    bool near_half = false;
+    bool exact = true;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const float y = x[j] * inv;
         q[j] = rintf(y);
-        near_half |= fabsf(y - q[j]) > 0.5f - 0x1p-15f;
+        exact &= fabsf(y - q[j]) <= 0.5f - 0x1p-15f;
     }
-    if (near_half) {
+    if (!exact) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) q[j] = roundf(x[j] / r.d);
     }
