@@ -80,8 +80,7 @@ def test_quantize_q8_1_bit_exact(backend, rng: np.random.Generator, layout: str)
     check_quantize(backend, rng, layout, ((1, 32), (3, 96), (17, 4096), (130, 14336), (5, 576)))
 
 
-@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
-def test_quantize_q8_1_half_way_values(backend, rng: np.random.Generator, layout: str) -> None:
+def half_way_values(rng: np.random.Generator) -> np.ndarray:
     """Values whose x/d is a half-integer, or a float step from one: where x * (1/d), the kernels' fast
     path, and the reference's x / d can round apart (1/25 rounds down in fp32), so the kernels divide."""
     m, blocks = 7, 40
@@ -92,27 +91,39 @@ def test_quantize_q8_1_half_way_values(backend, rng: np.random.Generator, layout
     down, up = np.nextafter(xb, np.float32(-np.inf)), np.nextafter(xb, np.float32(np.inf))
     xb = np.where(step < 0, down, np.where(step > 0, up, xb))
     xb[..., 0] = (np.float32(127) * d[..., 0]) * rng.choice(np.array([-1, 1], np.float32), (m, blocks))  # amax
-    compare_quantize(backend, xb.reshape(m, blocks * 32).astype(np.float32), layout)
+    return xb.reshape(m, blocks * 32).astype(np.float32)
 
 
-@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
-def test_quantize_q8_1_tiny_blocks(backend, rng: np.random.Generator, layout: str) -> None:
+def tiny_values(rng: np.random.Generator) -> np.ndarray:
     """Blocks so small that d = amax/127 is subnormal (and 1/d overflows): the reference's q = roundf(x/d)
     is still well defined there.  CuPy compiles with -ftz=true, which flushed d to zero; q8_1.cu is
     compiled with -ftz=false (kernels/cuda/modules.py)."""
     m, k = 5, 256
     x = (rng.standard_normal((m, k)) * rng.choice(np.array([1e-38, 1e-40, 1.0], np.float32), (m, 1))).astype(np.float32)
     x[0, 5] = 0.0  # a zero value inside a tiny block
-    compare_quantize(backend, x, layout)
+    return x
 
 
-@pytest.mark.parametrize("blocks", [1, 2, 4])
-def test_quantize_mmq_blocks_per_warp(backend, rng: np.random.Generator, monkeypatch, blocks: int) -> None:
-    """Each variant of the mmq-layout quantizer (launch picks by size), on K not a multiple of its blocks."""
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
+def test_quantize_q8_1_half_way_values(backend, rng: np.random.Generator, layout: str) -> None:
+    compare_quantize(backend, half_way_values(rng), layout)
+
+
+@pytest.mark.parametrize("layout", ["blocks", "split", "mmq"])
+def test_quantize_q8_1_tiny_blocks(backend, rng: np.random.Generator, layout: str) -> None:
+    compare_quantize(backend, tiny_values(rng), layout)
+
+
+@pytest.mark.parametrize("kernel", ["quantize_q8_1_mmq", "quantize_q8_1_mmq2", "quantize_q8_1_mmq4",
+                                    "quantize_q8_1_mmq_pair"])
+def test_quantize_mmq_kernels(backend, rng: np.random.Generator, monkeypatch, kernel: str) -> None:
+    """Each mmq-layout quantizer (launch picks by size), on M and K not multiples of its rows and blocks."""
     from kernels.cuda import launch
 
-    monkeypatch.setattr(launch, "quantize_mmq_blocks", lambda sm_count, m, k: blocks)
+    monkeypatch.setattr(launch, "quantize_mmq_kernel", lambda sm_count, m, k: kernel)
     check_quantize(backend, rng, "mmq", ((1, 32), (3, 96), (5, 576), (67, 4128)))
+    compare_quantize(backend, half_way_values(rng), "mmq")
+    compare_quantize(backend, tiny_values(rng), "mmq")
 
 
 @pytest.mark.parametrize("kernel", CUDA_KERNELS)

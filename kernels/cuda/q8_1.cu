@@ -1,15 +1,46 @@
 // On-device FP32 -> Q8_1, as llama.cpp's quantize_q8_1: d = amax/127, q = roundf(x/d), ds = (d, sum x).
-// Each thread takes 4 consecutive values (one float4 load), 8 threads a 32-value block.  The sum keeps
-// the warp butterfly's order exactly (offsets 16, 8, 4 are lane xors 4, 2, 1; offsets 2, 1 are inside
-// the thread: (v0 + v2) + (v1 + v3)), so it matches the reference bit for bit.  Compiled with -ftz=false
-// (modules.py): a block whose d is subnormal gets the reference's d and q too.
+// The block sum keeps the order of llama.cpp's warp butterfly exactly (lane i adds lane i ^ 16, then ^ 8,
+// ^ 4, ^ 2, ^ 1), so it matches the reference bit for bit.  Compiled with -ftz=false (modules.py): a
+// block whose d is subnormal gets the reference's d and q too.
 #include "common.cuh"
+
+// q = roundf(x / d) for N values of a block (d = amax/127), bit for bit, with one IEEE division a thread,
+// not one a value: y = x * fl(1/d) is within |x/d| * 2^-23 <= 1.52e-5 of x/d, and fl(x/d) within 2^-18
+// of it, so y and fl(x/d) round alike unless y lies within 2^-15 (3.05e-5) of a half-integer, i.e.
+// |y - rint(y)| > 0.5 - 2^-15.  Away from half-integers rint (one FRND) and roundf agree.  Near one (about
+// 6 values in 10^5), or where 1/d overflows (subnormal d below 2^-128: y is inf or NaN, and the test below
+// is false for both), the thread redoes its N values with the reference's division: one rarely taken
+// branch a thread, not one a value.
+template <int N>
+__device__ __forceinline__ void round_quants(const float (&x)[N], float amax, float d, int (&q)[N]) {
+    const float inv = amax == 0.0f ? 0.0f : 1.0f / d;
+    float r[N];
+    bool exact = true;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const float y = x[j] * inv;
+        r[j] = rintf(y);
+        exact &= fabsf(y - r[j]) <= 0.5f - 0x1p-15f;
+    }
+    if (!exact) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) r[j] = roundf(x[j] / d);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) q[j] = __float2int_rn(r[j]);
+}
+
+__device__ __forceinline__ int pack4(const int* q) {
+    return (q[0] & 0xff) | (q[1] & 0xff) << 8 | (q[2] & 0xff) << 16 | (q[3] & 0xff) << 24;
+}
 
 struct Q8_1Block4 {
     int packed;   // this thread's 4 quants
     float d, sum; // the block's scale and sum (the same in all 8 threads)
 };
 
+// Four consecutive values a thread (one float4 load), 8 threads a block: the butterfly's offsets 16, 8, 4
+// are lane xors 4, 2, 1; offsets 2, 1 are inside the thread: (v0 + v2) + (v1 + v3).
 __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     float s[4] = {v.x, v.y, v.z, v.w};
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));  // max: any order
@@ -22,29 +53,10 @@ __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     Q8_1Block4 r;
     r.sum = (s[0] + s[2]) + (s[1] + s[3]);
     r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's d bit for bit
-    // q = roundf(x / d) bit for bit with one IEEE division a block, not one a value: y = x * fl(1/d) is
-    // within |x/d| * 2^-23 <= 1.52e-5 of x/d, and fl(x/d) within 2^-18 of it, so y and fl(x/d) round
-    // alike unless y lies within 2^-15 (3.05e-5) of a half-integer, i.e. |y - rint(y)| > 0.5 - 2^-15.
-    // Away from half-integers rint (one FRND) and roundf agree.  Near one (about 6 values in 10^5), or
-    // where 1/d overflows (subnormal d below 2^-128: y is inf or NaN, and the test below is false for both),
-    // the thread redoes its 4 values with the reference's division: one rarely taken branch, not one a value.
-    const float inv = amax == 0.0f ? 0.0f : 1.0f / r.d;
     const float x[4] = {v.x, v.y, v.z, v.w};
-    float q[4];
-    bool exact = true;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float y = x[j] * inv;
-        q[j] = rintf(y);
-        exact &= fabsf(y - q[j]) <= 0.5f - 0x1p-15f;
-    }
-    if (!exact) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = roundf(x[j] / r.d);
-    }
-    r.packed = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) r.packed |= (__float2int_rn(q[j]) & 0xff) << (8 * j);
+    int q[4];
+    round_quants<4>(x, amax, r.d, q);
+    r.packed = pack4(q);
     return r;
 }
 
@@ -88,11 +100,26 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 //   s:  [M/64][SB][64 rows][4 blocks] half (sum x)
 // with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = s = 0 here
 // (their quants meet zero weights).
-// A warp quantizes G consecutive blocks of 4 consecutive rows (8 lanes a row, as in the kernels above, so
-// the sums keep their order): each block's 16-byte quant chunks land as two runs of 4 core-matrix rows,
-// 64 contiguous bytes each.  The G blocks' loads are all issued first.  launch.py takes G = 1 while the
-// grid is under a wave (parallelism), G = 2 or 4 above (loads in flight): at M = 512, K = 14336, G = 1
-// ran four waves of one load each, latency-bound (17.3 us against 14.9 with G = 4).
+
+// A block's scales into the mmq layout (its row mr of the row tile whose first piece is `piece`); the last
+// block of a row also zeroes the padding blocks of its last stage.
+__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, __half* __restrict__ s, size_t piece,
+                                                 int mr, int kb, int KB, int SB, float d, float sum) {
+    const float dh = __half2float(__float2half(d));
+    dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(dh, -12582912.0f * dh);
+    s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(sum);
+    if (kb == KB - 1)
+        for (int kp = kb + 1; kp < 4 * SB; ++kp) {
+            dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
+            s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
+        }
+}
+
+// Small grids: a warp quantizes G consecutive blocks of 4 consecutive rows (8 lanes a row, as in the kernels
+// above): each block's 16-byte quant chunks land as two runs of 4 core-matrix rows, 64 contiguous bytes
+// each.  The G blocks' loads are all issued first.  launch.py takes G = 1 while the grid is under a wave
+// (parallelism), G = 2 or 4 above (loads in flight): at M = 512, K = 14336, G = 1 ran four waves of one
+// load each, latency-bound (17.3 us against 14.9 with G = 4).
 template <int G>
 __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
                              __half* __restrict__ s, int M, int K, int SB) {
@@ -115,16 +142,7 @@ __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, f
         if (m >= M || kb >= KB) continue;
         const int within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
         *reinterpret_cast<int*>(qs + ((piece + (kb >> 2)) << 13) + within) = r.packed;
-        if ((lane & 7) == 0) {
-            const float d = __half2float(__float2half(r.d));
-            dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(d, -12582912.0f * d);
-            s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(r.sum);
-            if (kb == KB - 1)  // the last block of the row zeroes the padding blocks of its last stage
-                for (int kp = kb + 1; kp < 4 * SB; ++kp) {
-                    dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
-                    s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
-                }
-        }
+        if ((lane & 7) == 0) store_mmq_scales(dc, s, piece, mr, kb, KB, SB, r.d, r.sum);
     }
 }
 #define QUANTIZE_MMQ(G, name)                                                                                   \
@@ -134,3 +152,64 @@ __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, f
 QUANTIZE_MMQ(1, quantize_q8_1_mmq)
 QUANTIZE_MMQ(2, quantize_q8_1_mmq2)
 QUANTIZE_MMQ(4, quantize_q8_1_mmq4)
+
+// Big grids (launch.py: from ~16 warps an SM): two lanes a block, 16 values each, a quarter of the
+// instructions.  Lane h (0 or 1) of a block holds the values p = 4h + 8i + j (i, j = 0..3), so that the
+// butterfly's offsets 16 (i with i + 2) and 8 (i = 0 with 1) are inside the thread, offset 4 is one
+// shuffle (h = 0 with 1: both lanes get the same sum) and offsets 2, 1 are inside the thread again:
+// 4 shuffles for a block's sum where the kernel above takes 12 a lane, and one division pair for 16
+// values.  Read straight from global memory that layout fetched a quarter of each 128-byte line per
+// load (a read-only kernel with it: 3.9 us against 2.3 coalesced at M = 512, K = 4096), so a warp loads
+// its 8 rows x 2 blocks coalesced (a half-warp per row: 256 contiguous bytes) and reorders them through
+// shared memory, chunk c of row r at c ^ r (no bank conflicts either way).  The two lanes then swap half
+// their packed quants so that each stores one natural-order 16-byte chunk: a warp's stores are 4 whole
+// 128-byte core matrices.  A warp: rows (lane & 7) of 8, block (lane >> 4) of 2, h = bit 3.
+// H100, quantize alone, same buffer: M = 512 K = 4096 4.5 -> 3.9 us, K = 14336 12.4 -> 11.1,
+// M = 2048 K = 4096 15.7 -> 14.6; slower on small grids (M = 128 K = 4096 2.3 -> 2.6 us), which keep the
+// kernel above.
+extern "C" __global__ void __launch_bounds__(256)
+quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, __half* __restrict__ s,
+                       int M, int K, int SB) {
+    __shared__ float4 stage[8][16][8];  // a warp's 16 (row, block) pairs x 8 chunks of 4 values
+    const int KB = K / QK, lane = threadIdx.x % WARP, w = threadIdx.x / WARP, h = (lane >> 3) & 1;
+    const unsigned KW = (KB + 1) / 2, warp = blockIdx.x * (blockDim.x / WARP) + w;
+    const int m0 = int(warp / KW) * 8, kb0 = int(warp % KW) * 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // rows 2j, 2j + 1: lane (row, block, chunk)
+        const int r = 2 * j + (lane >> 4), b = (lane >> 3) & 1, c = lane & 7;
+        stage[w][2 * r + b][c ^ r] = m0 + r < M && kb0 + b < KB
+            ? *reinterpret_cast<const float4*>(x + (size_t)(m0 + r) * K + (kb0 + b) * QK + c * 4)
+            : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncwarp();
+    const int r = lane & 7, m = m0 + r, kb = kb0 + (lane >> 4);
+    float xs[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 v = stage[w][2 * r + (lane >> 4)][(2 * i + h) ^ r];
+        xs[4 * i] = v.x, xs[4 * i + 1] = v.y, xs[4 * i + 2] = v.z, xs[4 * i + 3] = v.w;
+    }
+    float amax = 0.0f, c[4];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(xs[j]));  // max: any order
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float b = (xs[j] + xs[8 + j]) + (xs[4 + j] + xs[12 + j]);  // offsets 16, then 8
+        c[j] = b + __shfl_xor_sync(0xffffffffu, b, 8);                   // offset 4
+    }
+    const float sum = (c[0] + c[2]) + (c[1] + c[3]);                      // offsets 2, 1
+    const float d = amax / 127.0f;
+    int q[16];
+    round_quants<16>(xs, amax, d, q);
+    const int w0 = pack4(q), w1 = pack4(q + 4), w2 = pack4(q + 8), w3 = pack4(q + 12);
+    // values 0..15 are (h0 w0, h1 w0, h0 w1, h1 w1), values 16..31 (h0 w2, h1 w2, h0 w3, h1 w3)
+    const int r0 = __shfl_xor_sync(0xffffffffu, h ? w0 : w2, 8), r1 = __shfl_xor_sync(0xffffffffu, h ? w1 : w3, 8);
+    if (m >= M || kb >= KB) return;
+    const int mr = m & 63, chunk = ((kb & 3) << 1) + h;
+    const size_t piece = (size_t)(m >> 6) * SB;
+    const int within = ((((mr >> 3) << 3) + chunk) << 7) + ((mr & 7) << 4);
+    *reinterpret_cast<int4*>(qs + ((piece + (kb >> 2)) << 13) + within) = h ? make_int4(r0, w2, r1, w3)
+                                                                              : make_int4(w0, r0, w1, r1);
+    if (h == 0) store_mmq_scales(dc, s, piece, mr, kb, KB, SB, d, sum);
+}
