@@ -146,7 +146,11 @@ def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray) 
     assert res.output.shape == (m, n) and np.isfinite(res.output).all(), (spec.name, m, n, k)
     want = expected(spec.activation_format, type_name, raw, x, res.activations_q8_1)
     err = ref.nmse(res.output, want)
-    assert err <= 1e-10, f"{spec.name} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}"
+    # the scale of the sum's terms beside the result: a tiny result of large terms (cancellation) shows here
+    terms = np.abs(x.astype(np.float64)) @ np.abs(ref.dequantize_weights(type_name, raw).astype(np.float64)).T
+    assert err <= 1e-10, (f"{spec.name} {type_name} M={m} N={n} K={k}: NMSE {err:.3g}; rms result "
+                          f"{np.sqrt(np.mean(want ** 2)):.4g}, rms sum of |terms| {np.sqrt(np.mean(terms ** 2)):.4g}, "
+                          f"got {res.output.ravel()[:3]}, want {want.ravel()[:3]}")
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
