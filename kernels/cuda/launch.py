@@ -80,30 +80,26 @@ def q8_1_buffers(layout: str, m: int, k: int) -> Any:
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
 
-def quantize_mmq_blocks(sm_count: int, m: int, k: int) -> int:
-    """Quant blocks a warp of quantize_q8_1_mmq takes: 1 while a warp per block fits in about one wave
-    (64 warps an SM), more when there are waves to spare, so that each thread has several loads in flight."""
-    warps = cdiv(m, 4) * (k // QK)
-    wave = 64 * sm_count
-    return 1 if warps <= wave else 2 if warps <= 4 * wave else 4
-
-
-def quantize_mmq_kernel(sm_count: int, m: int, k: int) -> str:
-    """The mmq-layout quantizer for this size: `quantize_q8_1_mmq_pair` (2 lanes a block, a quarter of the
-    instructions) once it has ~16 warps an SM; below that the 8-lane kernels' 4x more threads hide latency
-    better (H100, alone: M=128 K=4096 2.3 against 2.6 us; M=128 K=14336 4.3 against 3.8)."""
-    if cdiv(m, 8) * cdiv(k // QK, 2) >= 16 * sm_count:
-        return "quantize_q8_1_mmq_pair"
-    g = quantize_mmq_blocks(sm_count, m, k)
-    return "quantize_q8_1_mmq" + ("" if g == 1 else str(g))
+# The mmq-layout quantizers (q8_1.cu): (rows, quant blocks) a warp takes
+QUANTIZE_MMQ_WARP = {"quantize_q8_1_mmq": (4, 1), "quantize_q8_1_mmq2": (4, 2), "quantize_q8_1_mmq4": (4, 4),
+                     "quantize_q8_1_mmq_pair": (8, 2)}
 
 
 def quantize_mmq_warps(name: str, m: int, k: int) -> int:
-    """Warps of a quantize_q8_1_mmq* kernel: 8 rows x 2 blocks (pair) or 4 rows x G blocks."""
-    if name.endswith("_pair"):
-        return cdiv(m, 8) * cdiv(k // QK, 2)
-    g = int(name.removeprefix("quantize_q8_1_mmq") or 1)
-    return cdiv(m, 4) * cdiv(k // QK, g)
+    rows, blocks = QUANTIZE_MMQ_WARP[name]
+    return cdiv(m, rows) * cdiv(k // QK, blocks)
+
+
+def quantize_mmq_kernel(sm_count: int, m: int, k: int) -> str:
+    """The mmq-layout quantizer for this size.  `quantize_q8_1_mmq_pair` (2 lanes a block, a quarter of the
+    instructions) once it has ~16 warps an SM; below that the 8-lane kernels' 4x more threads hide latency
+    better (H100, alone: M=128 K=4096 2.3 against 2.6 us; M=128 K=14336 4.3 against 3.8), taking 1 block a
+    warp while that fits in about one wave (64 warps an SM), more when there are waves to spare, so that
+    each thread has several loads in flight."""
+    if quantize_mmq_warps("quantize_q8_1_mmq_pair", m, k) >= 16 * sm_count:
+        return "quantize_q8_1_mmq_pair"
+    warps, wave = quantize_mmq_warps("quantize_q8_1_mmq", m, k), 64 * sm_count
+    return "quantize_q8_1_mmq" if warps <= wave else "quantize_q8_1_mmq2" if warps <= 4 * wave else "quantize_q8_1_mmq4"
 
 
 def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
