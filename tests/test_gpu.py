@@ -138,10 +138,11 @@ def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generato
         check_kernel(backend, spec, type_name, weights_bank[(type_name, n, k)], rng.standard_normal((m, k)))
 
 
-def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray) -> None:
+def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray, key: str = "bank") -> None:
+    """`key` names the weights in the backend's cache: the bank's are uploaded once per (type, N, K)."""
     (m, k), n = x.shape, raw.shape[0]
     x = x.astype(np.float32)
-    w = Weights(("bank", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
+    w = Weights((key, type_name, n, k), type_name, n, k, lambda raw=raw: raw)
     res = backend.run(spec, w, x, poison=True, keep_q8_1=True)
     assert res.output.shape == (m, n) and np.isfinite(res.output).all(), (spec.name, m, n, k)
     want = expected(spec.activation_format, type_name, raw, x, res.activations_q8_1)
@@ -167,6 +168,21 @@ def test_mmq_build_for_several_waves(backend, weights_bank, rng: np.random.Gener
     for m, n, k in ((300, 257, 96), (70, 257, 4096), (300, 33, 32)):
         check_kernel(backend, KERNELS["mmq"], type_name, weights_bank[(type_name, n, k)], rng.standard_normal((m, k)))
     assert ran.count(f"mmq_waves_{type_name.lower()}") == 3, ran
+
+
+@pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
+    """With N even, mmq writes each thread's two adjacent outputs as one 8-byte store, or one vector atomic
+    where K is split (the other shapes here have odd N): a partial last tile, split-K over a few columns,
+    and a tile that is whole in M and N."""
+    spec = KERNELS[kernel]
+    for m, n, k in ((130, 130, 96), (3, 130, 4096), (67, 2, 4096), (64, 256, 128)):
+        if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+            pytest.skip(f"{kernel} does not run here")
+        w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+        raw = quants.quantize(w, GGMLQuantizationType[type_name])
+        check_kernel(backend, spec, type_name, raw, rng.standard_normal((m, k)), key=f"even-n {kernel} M={m}")
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
