@@ -99,11 +99,12 @@ for _spec in (
     _cuda("mmq", "q8_1", "mmq", "int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights repacked "
           "to int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout the kernel reads, "
           "llama.cpp's per-block epilogue in two fp32 FMAs (Q4_0's s-term as an fp16 MMA), 2-stage pipeline "
-          "(Hopper bulk copies for Q8_0, cp.async otherwise), split-K when the grid would leave SMs idle",
+          "(Hopper bulk copies, cp.async otherwise), split-K when the grid would leave SMs idle",
           min_cc=80, activation_layout="mmq"),
-    _cuda("mmq_wgmma", "q8_1", "mmq", "mmq's tiles, layouts and epilogue through Hopper's asynchronous wgmma "
-          "(m64n64k32, operands read from shared memory by descriptor, the epilogue of one half overlapping the "
-          "next half's MMA)", min_cc=90, max_cc=90, activation_layout="mmq"),
+    _cuda("mmq_wgmma", "q8_1", "mmq", "mmq's tiles, layouts and two-FMA epilogue through Hopper's asynchronous "
+          "wgmma (two warpgroups, m64n64k32 per quant block with operands read from shared memory by descriptor; "
+          "the magic bias made by a second wgmma on constant tiles; one block's epilogue overlapping the next "
+          "block's MMAs)", min_cc=90, max_cc=90, activation_layout="mmq"),
     _cuda("gemv", "q8_1", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a "
           "skinny int8 MMA (16 weight rows x 8 activation rows) with K split across the block's warps",

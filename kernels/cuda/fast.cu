@@ -201,7 +201,8 @@ struct MmqBlock {
     // Fragments: a0/a1 rows g/g+8 and k = blocks 2t, 2t+1 (stage 4*group + t/2); a2/a3 the same rows at
     // blocks 2t+8, 2t+9 (two stages on); b0/b1 column g at the same k.  A 32-bit word is a row's 2 adjacent
     // blocks, word (row * 2 + t % 2) of its stage's slot.  Stages past the last read as zeros.
-    template <int MI, int NI>
+    // SCALED: the accumulators hold out * 2^-38 (mmq_wgmma), so the s-term goes in through a zeroed tile.
+    template <int MI, int NI, bool SCALED = false>
     __device__ __forceinline__ void s_term(float (&acc)[MI][NI][4], const char* smem, int s, int row0,
                                            int col0) const {
         if ((s & 3) != 3 && s + 1 != stages) return;
@@ -227,16 +228,26 @@ struct MmqBlock {
             const int n = col0 + ni * 8 + g;
             const unsigned b[2] = {lo ? wh_lo[n * 2] : 0u, hi ? wh_hi[n * 2] : 0u};
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) mma_f16_k16(acc[mi][ni], a[mi], b);
+            for (int mi = 0; mi < MI; ++mi) {
+                if constexpr (SCALED) {
+                    float part[4] = {};
+                    mma_f16_k16(part, a[mi], b);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], 0x1p-38f, acc[mi][ni][e]);
+                } else {
+                    mma_f16_k16(acc[mi][ni], a[mi], b);
+                }
+            }
         }
     }
 
     // Q4_0's accumulators hold -out/8.  A pair goes out as one 8-byte store (or vector atomic) when N is even
     // (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
     // sectors, that took GEMM alone at K=4096 M=512 from 57.2 to 51.4 us (Q4_0) and 50.9 to 48.7 (Q8_0).
-    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1) const {
+    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1,
+                                          float unscale = 1.0f) const {
         if (m >= M) return;
-        const float scale = T::OFFSET8 ? -8.0f : 1.0f;
+        const float scale = (T::OFFSET8 ? -8.0f : 1.0f) * unscale;
         const float v0 = scale * a0, v1 = scale * a1;
         float* y = Y + (size_t)m * N + n;
         if (n + 1 < N && !(N & 1)) {
@@ -342,33 +353,52 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
 }
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
-// One warpgroup per block computes the 64 x 128 tile as two m64n64k32 halves per quant block, asynchronously:
-// while the tensor cores multiply half u+1, the warps run the epilogue of half u (wgmma results are not
-// magic-biased, so it is IADD + 2 FFMA per value).  Operands are read from shared memory through
-// descriptors (no ldmatrix, no fragments in registers).  Measured ~10% slower than mmq on the H100: both
-// are bound by issuing the epilogue, and this one issues an IADD more per value.
+// Two warpgroups a block, each the 64 x 64 half of the 64 x 128 tile (wgmma.m64n64k32 per quant block, 16
+// warps an SM), asynchronously: while the tensor cores do block j+1, the warps run the epilogue of block j.
+// Operands are read from shared memory through descriptors (no ldmatrix, no fragments in registers).
+//
+// The magic bias, made by the tensor cores.  wgmma cannot start from a constant C (mmq's free bias), so
+// each quant block takes two wgmmas into one accumulator set: the first (scale-d 0) multiplies two constant
+// tiles of -128s, 32 * 128 * 128 = 2^19 in every lane, the second adds the block's product.  D = 2^19 + sumi
+// >= 4096 for any block (|sumi| <= 32 * 127 * 128), and a non-negative int32 below 2^24 read as a float is
+// exactly D * 2^-149 (denormal or not).  With c1 = d_a * 2^111 and c2 = -d_a * 2^-19,
+// fma.rn(F, c1, c2) = round(d_a * sumi) * 2^-38 in one instruction (it must not flush: F is denormal; the
+// 2^-38 keeps c1 finite for any half d_a), and acc' = fma(t, w, acc') is mmq's acc times 2^-38, exactly:
+// Q8_0's outputs equal mmq's bit for bit.  Two FFMAs per value, as mmq (an IADD per value re-biasing the
+// accumulators had made it three).  The store scales back; Q4_0's s-term joins through a zeroed tile.
+// Measured on the H100 5-10% slower than mmq (docs/kernels.md): the bias doubles the tensor-core work.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem) {
-    // canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K), SBO = 1024 bytes (next 8 rows)
-    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-    return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32);
+#define WG_UNSCALE 274877906944.0f  // 2^38
+__device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
 }
 
+// Canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K); SBO = the next 8 rows (1024 bytes in
+// a stage piece, 256 in the 64 x 32-byte bias tile).
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem, unsigned sbo = 1024) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+
+// d (+)= A * B, m64n64k32 s8: SCALE_D 0 writes, 1 accumulates.
+template <int SCALE_D>
 __device__ __forceinline__ void wgmma_m64n64k32_s8(int* d, unsigned long long da, unsigned long long db) {
     asm volatile(
         "{\n"
         "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, 0;\n"
+        "%32, %33, %34;\n"
         "}\n"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]),
-          "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]),
-          "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]),
-          "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31])
-        : "l"(da), "l"(db));
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+          "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+          "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "l"(da), "l"(db), "n"(SCALE_D));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -382,68 +412,77 @@ __device__ __forceinline__ void fence_regs(int* d) {
     for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
+// mmq's shared memory, then the bias tile (2 KiB of -128s).  launch.py's mmq_wgmma_smem() mirrors BYTES.
+template <typename T>
+struct MmqWgSmem {
+    static constexpr int BIAS = (MmqSmem<T::OFFSET8>::BYTES + 127) / 128 * 128, BYTES = BIAS + 2048;
+};
+
 template <typename T>
 __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
                        const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
                        float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
-    const int g = lane >> 2, t = lane & 3;
+    const int g = lane >> 2, t = lane & 3, w4 = warp & 3, wg = warp >> 2;
     const MmqBlock<T, true> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
     using S = typename decltype(blk)::S;
-    float acc[1][16][4] = {};  // n8 tile i: (row 16w+g, col 8i+2t), (.., +1), (row +8, ..), (.., +1)
+    reinterpret_cast<uint2*>(smem + MmqWgSmem<T>::BIAS)[tid] = make_uint2(0x80808080u, 0x80808080u);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores, read by the async proxy
+    const unsigned long long bias = wgmma_desc(smem + MmqWgSmem<T>::BIAS, 256);
+    float acc[1][8][4] = {};  // acc' of n8 tile i: (row 16 w4 + g, col 64 wg + 8i + 2t), (.., +1), (row +8, ..), (.., +1)
     int d[2][32];
-    blk.start(smem);
+    blk.start(smem);  // its __syncthreads also publishes the bias tile
     for (int s = 0; s < blk.stages; ++s) {
         blk.next(smem, s);  // bulk copies: written and read by the async proxy, ordered by the mbarrier
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
-        const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + warp * 16 + g;
-        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + 2 * t;
-        // half u = (block j = u/2, columns 64*(u%2)..): A at 256j, B at 8192*(u%2) + 256j
-        wgmma_fence();
-        wgmma_m64n64k32_s8(d[0], wgmma_desc(st + S::A), wgmma_desc(st + S::B));
-        wgmma_commit();
+        const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + w4 * 16 + g;
+        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + 64 * wg + 2 * t;
+        auto issue = [&](int j) {  // block j into d[j % 2]: D = 2^19, then D += A_j * B_j, one commit group
+            fence_regs(d[j & 1]);
+            wgmma_fence();
+            wgmma_m64n64k32_s8<0>(d[j & 1], bias, bias);
+            wgmma_m64n64k32_s8<1>(d[j & 1], wgmma_desc(st + S::A + 256 * j), wgmma_desc(st + S::B + 8192 * wg + 256 * j));
+            wgmma_commit();
+        };
+        issue(0);
 #pragma unroll
-        for (int u = 0; u < 2 * MMQ_BKB; ++u) {
-            if (u + 1 < 2 * MMQ_BKB) {
-                const int v = u + 1;
-                fence_regs(d[v & 1]);
-                wgmma_fence();
-                wgmma_m64n64k32_s8(d[v & 1], wgmma_desc(st + S::A + 256 * (v >> 1)),
-                                   wgmma_desc(st + S::B + 8192 * (v & 1) + 256 * (v >> 1)));
-                wgmma_commit();
+        for (int j = 0; j < MMQ_BKB; ++j) {
+            if (j + 1 < MMQ_BKB) {
+                issue(j + 1);
                 wgmma_wait<1>();
             } else {
                 wgmma_wait<0>();
             }
-            fence_regs(d[u & 1]);
-            const int j = u >> 1, h = u & 1;
-            const float2 da0 = sDC[j * MMQ_BM], da1 = sDC[j * MMQ_BM + 8];
+            const int* c = d[j & 1];
+            fence_regs(d[j & 1]);
+            const float da0 = sDC[j * MMQ_BM].x, da1 = sDC[j * MMQ_BM + 8].x;
+            const float c10 = da0 * 2.5961484292674138e33f, c20 = da0 * -1.9073486328125e-06f;  // 2^111, -2^-19
+            const float c11 = da1 * 2.5961484292674138e33f, c21 = da1 * -1.9073486328125e-06f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + 64 * h + 8 * i);
-                float* o = acc[0][8 * h + i];
-                const int* c = d[u & 1] + 4 * i;
-                o[0] = fmaf(fmaf(__int_as_float(c[0] + MAGIC_I), da0.x, da0.y), w.x, o[0]);
-                o[1] = fmaf(fmaf(__int_as_float(c[1] + MAGIC_I), da0.x, da0.y), w.y, o[1]);
-                o[2] = fmaf(fmaf(__int_as_float(c[2] + MAGIC_I), da1.x, da1.y), w.x, o[2]);
-                o[3] = fmaf(fmaf(__int_as_float(c[3] + MAGIC_I), da1.x, da1.y), w.y, o[3]);
+            for (int i = 0; i < 8; ++i, c += 4) {
+                const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + 8 * i);
+                float* o = acc[0][i];
+                o[0] = fmaf(fma_keep_denormals(__int_as_float(c[0]), c10, c20), w.x, o[0]);
+                o[1] = fmaf(fma_keep_denormals(__int_as_float(c[1]), c10, c20), w.y, o[1]);
+                o[2] = fmaf(fma_keep_denormals(__int_as_float(c[2]), c11, c21), w.x, o[2]);
+                o[3] = fmaf(fma_keep_denormals(__int_as_float(c[3]), c11, c21), w.y, o[3]);
             }
         }
-        if constexpr (T::OFFSET8) blk.s_term(acc, smem, s, warp * 16, 0);
+        if constexpr (T::OFFSET8) blk.template s_term<1, 8, true>(acc, smem, s, w4 * 16, 64 * wg);
     }
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            blk.store(Y, M, N, atomic, blk.m0 + warp * 16 + g + 8 * hh, blk.n0 + 8 * i + 2 * t, acc[0][i][2 * hh],
-                      acc[0][i][2 * hh + 1]);
+            blk.store(Y, M, N, atomic, blk.m0 + w4 * 16 + g + 8 * hh, blk.n0 + 64 * wg + 8 * i + 2 * t,
+                      acc[0][i][2 * hh], acc[0][i][2 * hh + 1], WG_UNSCALE);
 }
 
 #define MMQ_WG(t, T)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
-        mmq_wgmma_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,              \
-                   const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {         \
+    extern "C" __global__ void __launch_bounds__(2 * MMQ_THREADS, MMQ_MIN_BLOCKS)                               \
+        mmq_wgmma_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,          \
+                      const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {      \
         mmq_wg<T>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);                                 \
     }
 QGEMM_FOR_TYPES(MMQ_WG)

@@ -144,6 +144,11 @@ def mmq_smem(t: str) -> int:
     return MMQ_STAGES * (MMQ_STAGE + 8) + ring
 
 
+def mmq_wgmma_smem(t: str) -> int:
+    """MmqWgSmem::BYTES: mmq's, then (128-byte aligned) the 2 KiB tile of -128s its bias wgmmas read."""
+    return cdiv(mmq_smem(t), 128) * 128 + 2048
+
+
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 
@@ -156,7 +161,7 @@ def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
 
 
 def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int, base: str = "mmq") -> None:
-    """mmq (mma.sync) or mmq_wgmma: the same tiles, layouts and grid."""
+    """mmq (mma.sync, 4 warps) or mmq_wgmma (two warpgroups): the same tiles, layouts and grid."""
     splits = mmq_splits(mods.sm_count, m, n, k)
     stages = mmq_tiles(m, k, MMQ_BM)[1]
     per = cdiv(stages, splits)  # stages per split
@@ -167,10 +172,10 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     waves = math.prod(grid) > MMQ_BLOCKS_PER_SM * mods.sm_count
     # mmq_waves_*: the same kernel compiled for grids of several waves (fast.cu's MmqUnroll says why)
     fn = mods.function("fast.cu", f"{base}_waves_{t}" if base == "mmq" and waves else f"{base}_{t}")
-    smem = mmq_smem(t)
+    smem = mmq_smem(t) if base == "mmq" else mmq_wgmma_smem(t)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
-    fn(grid, (MMQ_THREADS,),
+    fn(grid, (MMQ_THREADS if base == "mmq" else 2 * MMQ_THREADS,),  # mmq_wgmma: two warpgroups
        (w["wq"], w["wd"], w["wh"], a["qs"], a["dc"], a["s"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
        shared_mem=smem)
 
