@@ -185,6 +185,28 @@ def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str,
         check_kernel(backend, spec, type_name, raw, rng.standard_normal((m, k)), key=f"even-n {kernel} M={m}")
 
 
+@pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_mmq_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
+    """Block dots at their limits: weight blocks of one extreme quant (Q8_0's -128 or 127, Q4_0's 0 or 15)
+    against activation blocks of one value (every q_a = +-127).  mmq_wgmma's tensor-core bias (2^19) has to
+    keep 2^19 + sumi non-negative down to sumi = 32 * 127 * -128."""
+    spec = KERNELS[kernel]
+    m, n, k = 65, 130, 256
+    if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+        pytest.skip(f"{kernel} does not run here")
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType[type_name]).copy()
+    quants_of = raw.reshape(n, k // 32, -1)[..., 2:]  # after each block's half scale
+    pick = rng.integers(0, 3, size=(n, k // 32))  # 0: as quantized, 1: the lowest quant, 2: the highest
+    low, high = (0x80, 0x7F) if type_name == "Q8_0" else (0x00, 0xFF)
+    quants_of[pick == 1] = low
+    quants_of[pick == 2] = high
+    signs = rng.choice([-1.0, 1.0], size=(m, k // 32, 1)) * rng.uniform(0.5, 2.0, size=(m, k // 32, 1))
+    x = np.broadcast_to(signs, (m, k // 32, 32)).reshape(m, k)
+    check_kernel(backend, spec, type_name, raw, x, key=f"extreme {kernel}")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
 def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Generator, type_name: str) -> None:
     """M = 1 products queued on one stream with no host sync, sharing one activation buffer: each kernel may
