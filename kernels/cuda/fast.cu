@@ -43,6 +43,9 @@
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
+// mmq_wgmma's accumulators hold out * 2^-38 (its section says why); the store multiplies back.
+#define WG_SCALE 0x1p-38f
+#define WG_UNSCALE 0x1p38f
 #define MMQ_RING 8  // s-term slots: the group of 4 stages being filled and the one waiting for its MMA
 
 // Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then (Q4_0)
@@ -233,7 +236,7 @@ struct MmqBlock {
                     float part[4] = {};
                     mma_f16_k16(part, a[mi], b);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], 0x1p-38f, acc[mi][ni][e]);
+                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], WG_SCALE, acc[mi][ni][e]);
                 } else {
                     mma_f16_k16(acc[mi][ni], a[mi], b);
                 }
@@ -369,7 +372,6 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
 // Measured on the H100 5-10% slower than mmq (docs/kernels.md): the bias doubles the tensor-core work.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define WG_UNSCALE 274877906944.0f  // 2^38
 __device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
     float r;
     asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
