@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,32 @@ def copy_bandwidth(cupy: Any) -> float:
     return 2 * n / (ms * 1e-3)
 
 
+def activation_step(mods: Any, spec: Any, x: Any) -> Callable[[], Any]:
+    """The activation work timed with each GEMM (llama.cpp's times include it): Q8_1 quantization into the
+    kernel's layout, the fp16 cast of the cuBLAS baseline, or nothing.  Buffers are made here, beforehand:
+    graphs cannot allocate."""
+    import cupy
+
+    from kernels.cuda import launch
+
+    m, k = x.shape
+    if spec.activation_format == "q8_1":
+        acts = launch.q8_1_buffers(spec.activation_layout, m, k)
+
+        def quantize() -> Any:
+            launch.quantize_into(mods, spec.activation_layout, x, acts)
+            return acts
+        return quantize
+    if spec.activation_format == "f16":
+        xh = cupy.empty((m, k), dtype=cupy.float16)
+
+        def cast() -> Any:
+            cupy.copyto(xh, x)
+            return xh
+        return cast
+    return lambda: x
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy
     import numpy as np
@@ -160,19 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             if spec.can_run(type_name, m, n, k, backend.cc):
                                 continue
                             copies = layouts[spec.weight_layout]
-                            fmt = spec.activation_format
-                            a = launch.q8_1_buffers(spec.activation_layout, m, k) if fmt == "q8_1" else None
-                            xh = cupy.empty((m, k), dtype=cupy.float16) if fmt == "f16" else None
-
-                            def prep(spec=spec, x=x, a=a, xh=xh, fmt=fmt) -> Any:
-                                if fmt == "q8_1":
-                                    launch.quantize_into(mods, spec.activation_layout, x, a)
-                                    return a
-                                if fmt == "f16":  # into a buffer made beforehand: graphs cannot allocate
-                                    cupy.copyto(xh, x)
-                                    return xh
-                                return x
-
+                            prep = activation_step(mods, spec, x)
                             acts = prep()
 
                             def gemm(i: int, spec=spec, copies=copies, acts=acts, y=y, t=type_name, m=m, n=n,

@@ -1,9 +1,10 @@
 """Clock, board power and energy per product while one product runs for seconds (GPU machine only).
 
-Each pair (quantize + GEMM as the bench times it, or cuBLAS's fp16 cast + GEMM) is captured 200 times in
-a CUDA graph and replayed for SECONDS while `nvidia-smi` samples the SM clock, power and clock-event
-reasons every 50 ms; energy per call = median power x sustained time per call.  The bench's own figures
-come from short bursts, which the power limit does not reach (docs/kernels.md, "Power"):
+Each of the bench's pairs (quantize + GEMM, or cuBLAS's fp16 cast + GEMM on the dequantized weights)
+is captured 200 times in a CUDA graph and replayed for SECONDS while `nvidia-smi` samples the SM clock,
+power and clock-event reasons every 50 ms; energy per call = median power x sustained time per call.
+The bench's own figures come from short bursts, which the power limit does not reach (docs/kernels.md,
+"Power"):
 
     python3 scripts/power_draw.py            # M = 512, N = 4096, K = 4096 and 14336
 """
@@ -14,48 +15,36 @@ import argparse
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 import cupy
 import numpy as np
 from gguf import GGUFReader
 
 from app.settings import Settings
-from kernels.bench import timed_ms
-from kernels.cuda import cublas, launch
+from kernels.bench import activation_step, timed_ms
+from kernels.cuda import launch
 from kernels.cuda.backend import CudaBackend
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
 
 M = 512
 SECONDS = 3.0
-QUANTIZED = [("mmq", "blk.0.attn_q.weight"), ("mmq", "blk.0.attn_k.weight"), ("mmq_wgmma", "blk.0.attn_q.weight"),
-             ("mmq", "blk.0.ffn_down.weight"), ("mmq", "blk.1.ffn_down.weight")]
+PAIRS = [("mmq", "blk.0.attn_q.weight"), ("mmq", "blk.0.attn_k.weight"), ("mmq_wgmma", "blk.0.attn_q.weight"),
+         ("mmq", "blk.0.ffn_down.weight"), ("mmq", "blk.1.ffn_down.weight"),
+         ("cublas_f16", "blk.0.attn_q.weight"), ("cublas_f16", "blk.0.ffn_down.weight")]
 
 
-def quantized_pair(backend: CudaBackend, kernel: str, tensor) -> Callable[[], None]:
+def bench_pair(backend: CudaBackend, kernel: str, tensor: Any) -> Callable[[], None]:
+    """The bench's pair for (kernel, tensor) at M rows: its activation step, then its GEMM."""
     spec, mods = KERNELS[kernel], backend.modules
     type_name, raw = tensor.tensor_type.name, np.asarray(tensor.data)
     n, k = raw.shape[0], int(tensor.shape[0])
     w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
     x = cupy.asarray(np.random.default_rng(1).standard_normal((M, k)).astype(np.float32))
-    a = launch.q8_1_buffers(spec.activation_layout, M, k)
+    prep = activation_step(mods, spec, x)
     y = cupy.empty((M, n), dtype=cupy.float32)
-
-    def pair() -> None:
-        launch.quantize_into(mods, spec.activation_layout, x, a)
-        launch.launch_gemm(mods, spec, type_name, w, a, y, M, n, k)
-    return pair
-
-
-def cublas_pair(k: int, n: int = 4096) -> Callable[[], None]:
-    w = cupy.asarray(np.random.default_rng(2).standard_normal((n, k)).astype(np.float16))
-    x = cupy.asarray(np.random.default_rng(3).standard_normal((M, k)).astype(np.float32))
-    xh, y = cupy.empty((M, k), dtype=cupy.float16), cupy.empty((M, n), dtype=cupy.float32)
-
-    def pair() -> None:
-        cupy.copyto(xh, x)  # the bench's cast
-        cublas.gemm_xwt(xh, w, y)
-    return pair
+    return lambda: launch.launch_gemm(mods, spec, type_name, w, prep(), y, M, n, k)
 
 
 def sustained(fn: Callable[[], None]) -> tuple[float, list[list[str]]]:
@@ -94,11 +83,9 @@ def main() -> None:
     args = argparse.Namespace(reps=20, warmup=3)
     jobs: dict[str, Callable[[], None]] = {}
     with backend.stream:
-        for kernel, name in QUANTIZED:
+        for kernel, name in PAIRS:
             t = tensors[name]
-            jobs[f"{kernel} {t.tensor_type.name} K={int(t.shape[0])}"] = quantized_pair(backend, kernel, t)
-        for k in (4096, 14336):
-            jobs[f"cublas_f16 K={k}"] = cublas_pair(k)
+            jobs[f"{kernel} {t.tensor_type.name} K={int(t.shape[0])}"] = bench_pair(backend, kernel, t)
         print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, M={M}, N=4096, {SECONDS:.0f} s each")
         for label, fn in jobs.items():
             burst, _ = timed_ms(cupy, lambda i, fn=fn: fn(), args, 1)

@@ -172,10 +172,10 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     waves = math.prod(grid) > MMQ_BLOCKS_PER_SM * mods.sm_count
     # mmq_waves_*: the same kernel compiled for grids of several waves (fast.cu's MmqUnroll says why)
     fn = mods.function("fast.cu", f"{base}_waves_{t}" if base == "mmq" and waves else f"{base}_{t}")
-    smem = mmq_smem(t) if base == "mmq" else mmq_wgmma_smem(t)
+    threads, smem = (MMQ_THREADS, mmq_smem(t)) if base == "mmq" else (2 * MMQ_THREADS, mmq_wgmma_smem(t))
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
-    fn(grid, (MMQ_THREADS if base == "mmq" else 2 * MMQ_THREADS,),  # mmq_wgmma: two warpgroups
+    fn(grid, (threads,),
        (w["wq"], w["wd"], w["wh"], a["qs"], a["dc"], a["s"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
        shared_mem=smem)
 
