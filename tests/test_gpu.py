@@ -23,6 +23,10 @@ from models.demo import ensure_demo
 
 pytestmark = pytest.mark.gpu
 
+# Known flake, left for the team to decide (see issue 4's notes): at M = N = 1, K = 4096 the one output can be
+# a small remainder of large terms, and its NMSE then measures fp32 summation order, not the kernel; on the
+# H100 (2026-11-21) test_kernel_matches_reference failed in 3 of 14 runs that way (e.g. cublas_f32: result
+# 8.4e-5 of terms summing to 35; gemv: 0.006 of 96), the failure message printing both magnitudes.
 MS, NS, KS = (1, 3, 17, 130), (1, 33, 257), (32, 96, 4096)
 CUDA_KERNELS = [name for name, s in KERNELS.items() if s.backend == "cuda"]
 
