@@ -22,21 +22,22 @@ class BlockFormat:
     block_bytes: int
     matmul: bool  # weights of this type can be multiplied
     layout: str   # one line: what a block holds
+    offset: int = 0  # unsigned quants: x = d*(q - offset); llama.cpp's dot with Q8_1 takes it back as offset*s_a
 
     def row_bytes(self, k: int) -> int:
         return k // self.block_values * self.block_bytes
 
 
-def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None) -> BlockFormat:
+def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None, offset: int = 0) -> BlockFormat:
     values, table_bytes = GGML_QUANT_SIZES[t]
-    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout)
+    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout, offset)
 
 
 FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     f.ggml_type: f
     for f in (
         _fmt(GGMLQuantizationType.Q4_0, True,
-             "half d; 16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high); x = d*(q-8)"),
+             "half d; 16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high); x = d*(q-8)", offset=8),
         _fmt(GGMLQuantizationType.Q8_0, True, "half d; 32 int8 q; x = d*q"),
         _fmt(GGMLQuantizationType.Q8_1, False,
              "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from kernels.formats import FORMATS, QK
+from kernels.formats import FORMATS, MATMUL_TYPES, QK
 
 Q8_1_BLOCK = np.dtype([("ds", "<f2", (2,)), ("qs", "i1", (QK,))])  # 36 bytes, as block_q8_1
 assert Q8_1_BLOCK.itemsize == FORMATS[GGMLQuantizationType.Q8_1].block_bytes
@@ -137,35 +137,82 @@ def dequantize_weights(type_name: str, raw: np.ndarray) -> np.ndarray:
     return quants.dequantize(np.asarray(raw), GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
 
 
-def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
-    """Y[M, N] = Σ_blocks of the per-block formula; integer sums exact (|sum| < 2^24 in fp32)."""
+def _block_dots(w: BlockWeights, a: Q8_1, chunk: int):
+    """Yield (sumi, d_a, s_a, d_w) for chunks of quant blocks: sumi [c, M, N] exact integers in fp32."""
     m, k = a.shape
     kb_total, _, n = w.q.shape
     if k != kb_total * QK:
         raise ValueError(f"K mismatch: activations have {k}, weights {kb_total * QK}")
+    if w.type_name not in MATMUL_TYPES:
+        raise ValueError(f"ref_q8_1 has no formula for {w.type_name}")
     qa = a.q.reshape(m, kb_total, QK).transpose(1, 0, 2).astype(np.float32)  # [KB, M, 32]
     da = a.d.astype(np.float32).T  # [KB, M]
     sa = a.s.astype(np.float32).T
-    acc = np.zeros((m, n), dtype=np.float32)
-    eight = np.float32(8)
     for k0 in range(0, kb_total, chunk):
         k1 = min(k0 + chunk, kb_total)
-        sumi = np.matmul(qa[k0:k1], w.q[k0:k1])  # [c, M, N], exact integers
-        if w.type_name == "Q4_0":
-            sumi *= da[k0:k1, :, None]
-            sumi -= eight * sa[k0:k1, :, None]
-            sumi *= w.d[k0:k1, None, :]
-        elif w.type_name == "Q8_0":
-            sumi *= w.d[k0:k1, None, :] * da[k0:k1, :, None]
+        yield (np.matmul(qa[k0:k1], w.q[k0:k1]), da[k0:k1, :, None], sa[k0:k1, :, None],  # |sum| < 2^24: exact
+               w.d[k0:k1, None, :])
+
+
+def _offset(type_name: str) -> int:
+    """The constant a format's unsigned quants are offset by, taken back through the activations' sum:
+    d_w * (d_a * sumi - offset * s_a); 0: no sum term, d_w * d_a * sumi."""
+    return FORMATS[GGMLQuantizationType[type_name]].offset
+
+
+def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
+    """Y[M, N] = Σ_blocks of the per-block formula; integer sums exact (|sum| < 2^24 in fp32)."""
+    acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
+    c = np.float32(_offset(w.type_name))
+    for sumi, da, sa, dw in _block_dots(w, a, chunk):
+        if c:
+            sumi *= da
+            sumi -= c * sa
+            sumi *= dw
         else:
-            raise ValueError(f"ref_q8_1 has no formula for {w.type_name}")
+            sumi *= dw * da
         acc += sumi.sum(axis=0, dtype=np.float32)
     return acc
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What a product's outputs are sums of, for error measures that stay well-conditioned when an output
+    is a small remainder of large terms (kernels/accuracy.py).
+
+    magnitude [M, N]: Σ over the output's terms of |term| (float64); count: how many terms each output
+    sums; s_ulp [M, N]: what one half-precision ulp of each s_a moves the output by (for comparisons whose
+    two sides quantized the activations separately: the device may round s_a one ulp apart)."""
+
+    magnitude: np.ndarray
+    count: int
+    s_ulp: np.ndarray | None = None
+
+
+def ref_q8_1_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
+    """The terms of `ref_q8_1`: per block |d_w*d_a*sumi| and, for formats with a sum term, |c*d_w*s_a|."""
+    m, n = a.shape[0], w.q.shape[2]
+    mag, s_ulp = np.zeros((m, n)), np.zeros((m, n))
+    c = _offset(w.type_name)
+    for sumi, da, sa, dw in _block_dots(w, a, chunk):
+        adw = np.abs(dw.astype(np.float64))
+        mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * adw).sum(axis=0)
+        if c:
+            mag += (c * np.abs(sa.astype(np.float64)) * adw).sum(axis=0)
+            ulp = np.spacing(np.abs(sa).astype(np.float16)).astype(np.float64)
+            s_ulp += (c * ulp * adw).sum(axis=0)
+    kb = w.q.shape[0]
+    return Terms(mag, kb * (2 if c else 1), s_ulp if c else None)
 
 
 def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Y = X · Wᵀ with the weights already dequantized to float32 [N, K]."""
     return np.matmul(np.asarray(x, dtype=np.float32), w_f32.T)
+
+
+def ref_f32_terms(w: np.ndarray, x: np.ndarray) -> Terms:
+    """The terms of a float product: |x_i * w_i|, K of them an output."""
+    return Terms(np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T, x.shape[1])
 
 
 def nmse(y: np.ndarray, ref: np.ndarray) -> float:

@@ -1,11 +1,19 @@
 """Shared fixtures: the real models directory, a test models directory with broken files beside
-the real ones, a CPU-backend TestClient, and fresh random generators."""
+the real ones, a CPU-backend TestClient, and fresh random generators.
+
+Random inputs come from one seed per run (QGEMM_TEST_SEED, else a fresh one), printed in the header
+and the summary of every run: `QGEMM_TEST_SEED=<seed> pytest ...` replays them.  Each test draws from
+its own stream (the seed and the test's id), so a test's inputs do not depend on which others ran.
+QGEMM_TEST_SEEDS=<n> runs every seeded test n times, with the seeds of n consecutive runs (the seed
+sweep: scripts/seed_sweep.sh).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,13 +77,44 @@ def client(models_dir: Path) -> Iterator[TestClient]:
         yield c
 
 
+RUN_SEED = int(os.environ.get("QGEMM_TEST_SEED") or secrets.randbits(32))
+SWEEP = max(1, int(os.environ.get("QGEMM_TEST_SEEDS") or 1))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    sweep = f", swept over {SWEEP} consecutive seeds (QGEMM_TEST_SEEDS)" if SWEEP > 1 else ""
+    return f"qgemm: random inputs from QGEMM_TEST_SEED={RUN_SEED}{sweep}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    last = f"..{RUN_SEED + SWEEP - 1}" if SWEEP > 1 else ""
+    terminalreporter.write_line(f"qgemm: this run's random inputs came from QGEMM_TEST_SEED={RUN_SEED}{last}; "
+                                "set it to replay them")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if SWEEP > 1 and "rng" in metafunc.fixturenames:
+        metafunc.parametrize("seed_offset", range(SWEEP), ids=[f"seed+{i}" for i in range(SWEEP)])
+
+
 @pytest.fixture
-def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """A fresh seed for every test (never the same inputs twice); printed so a failure can be replayed."""
-    seed = int(os.environ.get("QGEMM_TEST_SEED") or secrets.randbits(32))
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
+def seed_offset() -> int:
+    return 0
+
+
+def stream_seed(key: str, offset: int = 0) -> list[int]:
+    """The seed of one named stream of this run (a test, or a module's shared weights)."""
+    return [RUN_SEED + offset, zlib.crc32(key.encode())]
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest, seed_offset: int) -> np.random.Generator:
+    """Fresh inputs on every run, drawn from the run's seed and this test's id (the sweep's id left out, so
+    seed+i draws what a run with QGEMM_TEST_SEED + i draws)."""
+    key = request.node.nodeid.replace(f"seed+{seed_offset}-", "").replace(f"-seed+{seed_offset}", "")
+    key = key.replace(f"[seed+{seed_offset}]", "")
+    request.node.user_properties.append(("seed", RUN_SEED + seed_offset))
+    return np.random.default_rng(stream_seed(key, seed_offset))
 
 
 @pytest.fixture
