@@ -17,6 +17,8 @@ from app.errors import ApiError
 from app.settings import Settings
 from kernels.cpu import CpuBackend, Result, Weights
 from kernels.errors import DeviceOutOfMemory
+from kernels.formats import format_of
+from kernels.reference import q8_1_overflow
 from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, known_names
 from models.store import Model, TensorInfo
 
@@ -80,6 +82,14 @@ class Engine:
         return out
 
     # -- choosing -----------------------------------------------------------------------------
+    @staticmethod
+    def kernel_named(kernel: str) -> KernelSpec:
+        spec = KERNELS.get(kernel)
+        if spec is None:
+            known = ", ".join(known_names())
+            raise ApiError(422, "unknown_kernel", f"unknown kernel {kernel!r}; known kernels: {known}")
+        return spec
+
     def choose(self, kernel: str, info: TensorInfo, m: int) -> KernelSpec:
         if info.matmul_reason:
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
@@ -90,10 +100,7 @@ class Engine:
                 if spec is not None:
                     return spec
             return KERNELS["ref_q8_1"]
-        spec = KERNELS.get(kernel)
-        if spec is None:
-            known = ", ".join(known_names())
-            raise ApiError(422, "unknown_kernel", f"unknown kernel {kernel!r}; known kernels: {known}")
+        spec = self.kernel_named(kernel)
         reason = spec.can_run(info.type_name, m, n, k, self.cuda_cc)
         if reason is None and spec.backend == "cuda":
             reason = self.cuda.kernel_reason(spec)
@@ -136,13 +143,24 @@ class Engine:
             x32 = np.ascontiguousarray(x, dtype=np.float32)
         if not np.isfinite(x32).all():
             raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
+        if spec.activation_format == "q8_1":
+            fmt = format_of(info.type_name)
+            overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum)
+            if overflow is not None:
+                raise ApiError(422, "activation_out_of_range", f"activations out of range for {spec.name}: {overflow}")
         w = self.weights(model, info)
         if spec.backend == "cuda":
             try:
-                return spec, self.cuda.run(spec, w, x32)
+                result = self.cuda.run(spec, w, x32)
             except DeviceOutOfMemory as exc:
                 raise ApiError(503, "gpu_out_of_memory", str(exc), headers={"Retry-After": "1"}) from None
-        return spec, self.cpu.run(spec.name, w, x32)
+        else:
+            result = self.cpu.run(spec.name, w, x32)
+        if not np.isfinite(result.output).all():
+            r, c = (int(v) for v in np.argwhere(~np.isfinite(result.output))[0])
+            raise ApiError(422, "product_out_of_range",
+                           f"the product overflows float32 (first at row {r}, column {c}): scale the activations down")
+        return spec, result
 
     async def run_matmul(self, model: Model, info: TensorInfo, x: np.ndarray,
                          kernel: str) -> tuple[KernelSpec, Result]:

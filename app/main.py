@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 
-from app import __version__, errors
+from app import __version__, errors, openapi
 from app.engine import Engine
 from app.limits import BodyLimit, require_api_key
 from app.routes import matmul, models, system
@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Inspect GGUF models and multiply their quantized weights the way llama.cpp does.")
     app.state.settings = settings
     errors.install(app)
+    openapi.install(app, api_key_set=settings.api_key is not None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     v1.include_router(models.router)
     v1.include_router(matmul.router)

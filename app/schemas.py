@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
+
+from kernels.registry import known_names
+
+# The demo model (`qgemm fetch --demo-only`, always present) names every example, so that clients
+# generated from /openapi.json and schemathesis reach the real logic.
+DEMO_MODEL = "demo"
+DEMO_TENSOR = "tiny.q4_0.weight"  # Q4_0 [33, 64]: N = 33 outputs, K = 64 inputs
+DEMO_K = 64
+KERNEL_NAMES = known_names()
+
+ModelId = Annotated[str, Path(description="a model id from GET /v1/models (the file name without .gguf)",
+                              examples=[DEMO_MODEL])]
+TensorName = Annotated[str, Path(description="a tensor name from GET /v1/models/{model_id}/tensors",
+                                 examples=[DEMO_TENSOR])]
 
 
 class ErrorDetail(BaseModel):
@@ -107,13 +122,23 @@ class KernelList(BaseModel):
     kernels: list[KernelInfo]
 
 
+ACTIVATIONS_DOC = (
+    "X as M rows of K numbers, K the tensor's second dimension; M ≤ QGEMM_MAX_ROWS. Kernels that quantize "
+    "X to Q8_1 (activation_format q8_1) need each 32-value block's scale max|x|/127 and, for formats with an "
+    "offset or minimum (Q4_0), its sum Σx to fit in half precision (|x| ≤ 8.32e6, |Σx| < 65520), else 422 "
+    "`activation_out_of_range`; a product that overflows float32 is 422 `product_out_of_range`.")
+
+
 class MatmulRequest(BaseModel):
     # strict: "1.5" or true is a malformed body, not a number; NaN and Infinity parse, then get a 422
-    model_config = ConfigDict(strict=True, extra="forbid")
-    model: str
-    tensor: str
-    kernel: str = "auto"
-    activations: list[list[float]] = Field(description="X as M rows of K numbers")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
+        {"model": DEMO_MODEL, "tensor": DEMO_TENSOR, "kernel": "auto",
+         "activations": [[round(0.25 * ((i % 9) - 4), 2) for i in range(DEMO_K)]]}]})
+    model: str = Field(description="a model id from GET /v1/models", examples=[DEMO_MODEL])
+    tensor: str = Field(description="a tensor of that model whose `matmul` is true", examples=[DEMO_TENSOR])
+    kernel: str = Field("auto", description="a kernel from GET /v1/kernels",
+                        json_schema_extra={"enum": KERNEL_NAMES})
+    activations: list[Annotated[list[float], Field(min_length=1)]] = Field(min_length=1, description=ACTIVATIONS_DOC)
 
 
 class MatmulResponse(BaseModel):
@@ -128,6 +153,24 @@ class MatmulResponse(BaseModel):
 
 
 class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tensors: list[str] | None = None
-    kernel: str | None = Field(None, description="upload in the layout this kernel reads (default: auto's)")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tensors": [DEMO_TENSOR]}]})
+    tensors: list[str] | None = Field(None, description="tensor names (default: every tensor that multiplies)")
+    kernel: str | None = Field(None, description="upload in the layout this kernel reads (default: auto's)",
+                               json_schema_extra={"enum": [*KERNEL_NAMES, None]})
+
+
+class UnloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tensors": [DEMO_TENSOR]}]})
+    tensors: list[str] | None = Field(None, description="tensor names (default: all of the model's)")
+
+
+class LoadResponse(BaseModel):
+    model: str
+    loaded: list[ResidentTensor]
+    resident: Residency
+
+
+class UnloadResponse(BaseModel):
+    model: str
+    freed_bytes: int
+    resident: Residency

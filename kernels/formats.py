@@ -24,6 +24,11 @@ class BlockFormat:
     layout: str   # one line: what a block holds
     offset: int = 0  # unsigned quants: x = d*(q - offset); llama.cpp's dot with Q8_1 takes it back as offset*s_a
 
+    @property
+    def uses_activation_sum(self) -> bool:
+        """Whether its dot product with Q8_1 reads the activations' block sum s_a (then s_a must fit in half)."""
+        return self.offset != 0
+
     def row_bytes(self, k: int) -> int:
         return k // self.block_values * self.block_bytes
 

@@ -83,7 +83,46 @@ def quantize_q8_1(x: np.ndarray) -> Q8_1:
     with np.errstate(divide="ignore", invalid="ignore"):
         v = xb / d[..., None]
     q = np.where(amax[..., None] == 0, 0, roundf(v)).astype(np.int8)
-    return Q8_1(q.reshape(m, k), d.astype(np.float16), warp_sum(xb).astype(np.float16))
+    with np.errstate(over="ignore"):  # an infinite half s, as the device stores it (formats without an s term)
+        return Q8_1(q.reshape(m, k), d.astype(np.float16), warp_sum(xb).astype(np.float16))
+
+
+HALF_INF = 65520.0  # float16 rounds every |v| >= this to infinity (65504 is its largest finite value)
+
+
+@dataclass(frozen=True)
+class Q8_1Overflow:
+    """The first Q8_1 block whose half-precision scale d or sum s would be infinite."""
+    row: int
+    block: int
+    quantity: str  # "scale" (max|x|/127) or "sum" (Σx)
+    value: float
+
+    def __str__(self) -> str:
+        limit = f"max|x|/127 < {HALF_INF:g}, i.e. max|x| < {HALF_INF * 127:.6g}" if self.quantity == "scale" \
+            else f"|Σx| < {HALF_INF:g}"
+        return (f"row {self.row}, block {self.block} (columns {self.block * QK}..{self.block * QK + QK - 1}): its Q8_1 "
+                f"{self.quantity} {self.value:.6g} overflows half precision (needs {limit})")
+
+
+def q8_1_overflow(x: np.ndarray, uses_sum: bool) -> Q8_1Overflow | None:
+    """Where `quantize_q8_1(x)` would store an infinite d (or s, when the weights' format reads it)."""
+    x = np.asarray(x, dtype=np.float32)
+    amax_all = float(np.abs(x).max(initial=0.0))
+    if amax_all * QK < HALF_INF * 0.99:  # neither d nor any block's sum can reach it: the common case, one pass
+        return None
+    m, k = x.shape
+    xb = x.reshape(m, k // QK, QK)
+    with np.errstate(over="ignore"):
+        d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float16)
+        s = warp_sum(xb).astype(np.float16) if uses_sum else np.zeros_like(d)
+    for quantity, values, exact in (("scale", d, lambda r, b: float(np.abs(xb[r, b]).max() / 127)),
+                                    ("sum", s, lambda r, b: float(warp_sum(xb[r, b])))):
+        bad = np.argwhere(np.isinf(values))
+        if len(bad):
+            r, b = (int(v) for v in bad[0])
+            return Q8_1Overflow(r, b, quantity, exact(r, b))
+    return None
 
 
 def dequantize_q8_1(a: Q8_1) -> np.ndarray:

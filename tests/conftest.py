@@ -29,18 +29,23 @@ from models.fetch import SMOLLM2
 SMOL_ID = SMOLLM2.file[: -len(".gguf")]
 
 
-@pytest.fixture(scope="session")
-def real_models_dir() -> Path:
+def find_real_models_dir() -> Path:
     """Where `qgemm fetch` put the models (QGEMM_MODELS_DIR or the default); the demo is written
-    here if missing (deterministic, offline); SmolLM2 must have been fetched."""
+    here if missing (deterministic, offline); SmolLM2 must have been fetched (else the tests skip,
+    or fail under QGEMM_TEST_REQUIRE_MODELS=1, as CI runs them)."""
     d = Settings.from_env().models_dir
     ensure_demo(d)
     if not (d / SMOLLM2.file).is_file():
         msg = f"{SMOLLM2.file} is not in {d}: run `qgemm fetch` first"
         if os.environ.get("QGEMM_TEST_REQUIRE_MODELS") == "1":
             pytest.fail(msg)
-        pytest.skip(msg)
+        pytest.skip(msg, allow_module_level=True)
     return d
+
+
+@pytest.fixture(scope="session")
+def real_models_dir() -> Path:
+    return find_real_models_dir()
 
 
 BROKEN = {
@@ -50,9 +55,8 @@ BROKEN = {
 }
 
 
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) -> Path:
-    d = tmp_path_factory.mktemp("models")
+def populate_models_dir(d: Path, real_models_dir: Path) -> Path:
+    """The real models (linked) beside broken files of every kind."""
     for name in ("demo.gguf", SMOLLM2.file):
         (d / name).symlink_to(real_models_dir / name)
     for name, data in BROKEN.items():
@@ -64,6 +68,11 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) 
     (d / "contradictory.gguf").write_bytes(bytes(contradictory))
     (d / "notes.txt").write_text("not a model")
     return d
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) -> Path:
+    return populate_models_dir(tmp_path_factory.mktemp("models"), real_models_dir)
 
 
 def make_client(models_dir: Path, **overrides: object) -> TestClient:

@@ -127,7 +127,9 @@ def _raw(client: TestClient, content: bytes, ctype: str = "application/json", qu
                                      b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [["1"]]}',
                                      b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[true]]}',
                                      b'{"model": 3, "tensor": "tiny.q4_0.weight", "activations": [[1]]}',
-                                     b'{"model": "demo", "tensor": "t", "activations": [[1]], "extra": 1}'])
+                                     b'{"model": "demo", "tensor": "t", "activations": [[1]], "extra": 1}',
+                                     b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": []}',
+                                     b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[]]}'])
 def test_malformed_json_is_400(client: TestClient, content: bytes) -> None:
     status, body = _raw(client, content)
     assert status == 400, body
@@ -168,8 +170,6 @@ def test_unknown_model_or_tensor_is_404(client: TestClient) -> None:
 @pytest.mark.parametrize("acts,code", [
     ([[0.5] * 63], "k_mismatch"),
     ([[0.5] * 64, [0.5] * 32], "bad_shape"),
-    ([], "bad_shape"),
-    ([[]], "bad_shape"),
     ([[float("nan")] + [0.5] * 63], "non_finite"),
     ([[0.5] * 63 + [float("inf")]], "non_finite"),
     ([[1e39] + [0.5] * 63], "non_finite"),
@@ -181,6 +181,41 @@ def test_shape_and_value_errors_are_422(client: TestClient, acts: list, code: st
     r = client.post("/v1/matmul", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 422, r.text
     assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("tensor,x,quantity", [
+    ("tiny.q4_0.weight", np.r_[np.full(63, 0.5), 9e6], "scale"),   # max|x|/127 passes half's 65504
+    ("tiny.q8_0.weight", np.r_[np.full(63, 0.5), 9e6], "scale"),
+    ("tiny.q4_0.weight", np.r_[np.full(40, 0.5), np.full(24, 3000.0)], "sum"),  # block 1 sums to 72000
+])
+def test_activations_out_of_q8_1_range_are_422(client: TestClient, tensor: str, x: np.ndarray, quantity: str) -> None:
+    """Finite activations whose Q8_1 block would hold an infinite half: refused before any product,
+    naming the row, the block and the limit (JSON and .npy alike)."""
+    x2 = np.stack([np.full(64, 0.25), x])
+    for status, body in (_post(client, tensor=tensor, activations=x2.tolist()),
+                         _raw(client, npy(x2), "application/x-npy", f"?model=demo&tensor={tensor}")):
+        assert status == 422 and body["error"]["code"] == "activation_out_of_range", body
+        msg = body["error"]["message"]
+        assert "row 1, block 1" in msg and quantity in msg and "half precision" in msg
+
+
+def test_block_sums_over_half_are_fine_where_the_format_ignores_them(client: TestClient) -> None:
+    """Q8_0's dot product never reads s_a, so a block summing past 65504 multiplies (and f32 kernels take any x)."""
+    x = [[0.5] * 40 + [3000.0] * 24]
+    assert _post(client, tensor="tiny.q8_0.weight", activations=x)[0] == 200
+    assert _post(client, tensor="tiny.q4_0.weight", kernel="ref_f32", activations=x)[0] == 200
+
+
+def test_a_product_that_overflows_float32_is_422(client: TestClient, models_dir: Path) -> None:
+    """Finite activations, aligned with the signs of a row of W, whose product passes float32's 3.4e38."""
+    t = next(t for t in GGUFReader(models_dir / "demo.gguf").tensors if t.name == "tiny.q4_0.weight")
+    w = ref.dequantize_weights("Q4_0", t.data)
+    row = int(np.abs(w).sum(axis=1).argmax())
+    assert np.abs(w[row]).sum() > 1.1  # so the product reaches 3.3e38 * 1.1
+    x = 3.3e38 * np.sign(w[row])
+    status, body = _post(client, tensor="tiny.q4_0.weight", kernel="ref_f32", activations=[x.tolist()])
+    assert status == 422 and body["error"]["code"] == "product_out_of_range", body
+    assert f"row 0, column {row}" in body["error"]["message"]
 
 
 def test_npy_shape_errors_are_422(client: TestClient) -> None:

@@ -53,7 +53,7 @@ def test_broken_model_detail_is_listed_not_crashing(client: TestClient) -> None:
     r = client.get("/v1/models/truncated")
     assert r.status_code == 200 and r.json()["status"] == "error" and r.json()["header"] is None
     r = client.get("/v1/models/truncated/tensors")
-    assert r.status_code == 422 and r.json()["error"]["code"] == "model_unreadable"
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_unreadable"
 
 
 def test_tensor_list_is_row_major_and_flags_matmul(client: TestClient, models_dir: Path) -> None:

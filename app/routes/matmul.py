@@ -13,7 +13,8 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from app.errors import ApiError
-from app.schemas import ErrorResponse, MatmulRequest, MatmulResponse
+from app.openapi import errors
+from app.schemas import DEMO_K, DEMO_MODEL, DEMO_TENSOR, KERNEL_NAMES, MatmulRequest, MatmulResponse
 from models.store import NotFound
 
 router = APIRouter(tags=["matmul"])
@@ -26,9 +27,9 @@ def _media(value: str | None) -> str:
     return (value or "").split(";")[0].strip().lower()
 
 
-def parse_json(body: bytes) -> tuple[MatmulRequest, np.ndarray]:
+def parse_json(body: bytes) -> MatmulRequest:
     try:
-        req = MatmulRequest.model_validate_json(body)
+        return MatmulRequest.model_validate_json(body)
     except ValidationError as exc:
         errs = exc.errors()
         if errs and errs[0]["type"] == "json_invalid":
@@ -37,13 +38,15 @@ def parse_json(body: bytes) -> tuple[MatmulRequest, np.ndarray]:
         parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errs[:3]]
         more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
         raise ApiError(400, "bad_request", "; ".join(parts) + more) from None
-    rows = req.activations
+
+
+def rows_to_array(rows: list[list[float]]) -> np.ndarray:
+    """The JSON rows as X; checked after the tensor is found, so that an unknown tensor is a 404 first."""
     widths = {len(r) for r in rows}
     if len(widths) > 1:
         raise ApiError(422, "bad_shape", f"activations rows have different lengths ({sorted(widths)[:5]}): "
                                          "X must be a rectangular [M, K] array")
-    x = np.array(rows, dtype=np.float64) if rows else np.zeros((0, 0))
-    return req, x
+    return np.array(rows, dtype=np.float64)
 
 
 def parse_npy(body: bytes) -> np.ndarray:
@@ -64,43 +67,71 @@ def server_timing(timing: dict[str, float]) -> str:
     return ", ".join(f"{k};dur={v:.3f}" for k, v in timing.items())
 
 
+MATMUL_HEADERS = {
+    "Server-Timing": "the timing_ms entries (upload, quantize, gemm, download, total, request) in ms",
+    "X-Qgemm-Kernel": "the kernel that ran (auto resolved)",
+    "X-Qgemm-Backend": "cpu or cuda",
+    "X-Qgemm-Activation-Format": "the activation format the kernel computes with",
+    "X-Qgemm-Shape": "M,N of the output",
+}
+REQUEST_BODY = {
+    "required": True,
+    "description": "JSON: a MatmulRequest. Or `application/x-npy`: a NumPy .npy file (float32 or float64, 2-D [M, K], "
+                   "no pickles) with `model`, `tensor` and `kernel` as query parameters, e.g. "
+                   f"`curl --data-binary @x.npy -H 'Content-Type: {NPY}' "
+                   f"'.../v1/matmul?model={DEMO_MODEL}&tensor={DEMO_TENSOR}'`.",
+    "content": {JSON: {"schema": MatmulRequest.model_json_schema()},
+                NPY: {"schema": {"type": "string", "format": "binary",
+                                 "description": f"a .npy file holding X [M, K] (K = {DEMO_K} for {DEMO_TENSOR})"}}},
+}
+
+
 @router.post(
     "/matmul",
+    operation_id="matmul",
     response_model=MatmulResponse,
-    responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-               415: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-    openapi_extra={"requestBody": {"content": {
-        JSON: {"schema": MatmulRequest.model_json_schema()},
-        NPY: {"schema": {"type": "string", "format": "binary"}}}, "required": True}},
+    responses={200: {"description": "Y [M, N]: JSON (MatmulResponse), or a float32 .npy with `Accept: "
+                                    f"{NPY}` (the timing then in Server-Timing and the other values in X-Qgemm-*)",
+                     "content": {NPY: {"schema": {"type": "string", "format": "binary"}}},
+                     "headers": {h: {"description": d, "schema": {"type": "string"}}
+                                 for h, d in MATMUL_HEADERS.items()}},
+               **errors(404, 415, 422, 503)},
+    openapi_extra={"requestBody": REQUEST_BODY},
 )
 async def matmul(
     request: Request,
-    model: str | None = Query(None, description=".npy bodies: the model id"),
-    tensor: str | None = Query(None, description=".npy bodies: the tensor name"),
-    kernel: str = Query("auto", description=".npy bodies: the kernel"),
+    model: str | None = Query(None, description="required with a .npy body: the model id (ignored for JSON bodies)",
+                              examples=[DEMO_MODEL]),
+    tensor: str | None = Query(None, description="required with a .npy body: the tensor name (ignored for JSON bodies)",
+                               examples=[DEMO_TENSOR]),
+    kernel: str = Query("auto", description=".npy bodies: the kernel (ignored for JSON bodies)",
+                        json_schema_extra={"enum": KERNEL_NAMES}),
 ) -> Response:
     """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor.  JSON body, or a .npy body with the
     model, tensor and kernel as query parameters; `Accept: application/x-npy` answers .npy."""
     t_request = time.perf_counter()
+    if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
+        request.app.state.engine.kernel_named(kernel)
     ctype = _media(request.headers.get("content-type"))
     if ctype not in (JSON, NPY):
         raise ApiError(415, "unsupported_media_type",
                        f"Content-Type must be {JSON} or {NPY}, not {ctype or 'missing'}")
     body = await request.body()
     if ctype == JSON:
-        req, x = await run_in_threadpool(parse_json, body)
+        req = await run_in_threadpool(parse_json, body)
         model_id, tensor_name, kernel_name = req.model, req.tensor, req.kernel
     else:
         if not model or not tensor:
             raise ApiError(400, "bad_request", ".npy bodies need the model and tensor as query parameters "
                                                "(?model=...&tensor=...)")
-        x = await run_in_threadpool(parse_npy, body)
         model_id, tensor_name, kernel_name = model, tensor, kernel
     state = request.app.state
     try:
         mdl, info = state.store.tensor(model_id, tensor_name)
     except NotFound as exc:
         raise ApiError(404, "not_found", str(exc)) from None
+    x = await run_in_threadpool(rows_to_array, req.activations) if ctype == JSON \
+        else await run_in_threadpool(parse_npy, body)
     spec, result = await state.engine.run_matmul(mdl, info, x, kernel_name)
     timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
     y = result.output

@@ -8,12 +8,36 @@ from fastapi import APIRouter, Body, Request
 from fastapi.concurrency import run_in_threadpool
 
 from app.errors import ApiError
-from app.schemas import LoadRequest, ModelDetail, ModelList, TensorDetail, TensorList
+from app.openapi import errors
+from app.schemas import (
+    LoadRequest,
+    LoadResponse,
+    ModelDetail,
+    ModelId,
+    ModelList,
+    TensorDetail,
+    TensorList,
+    TensorName,
+    UnloadRequest,
+    UnloadResponse,
+)
 from kernels.formats import format_of
 from models import inspect
 from models.store import Model, NotFound
 
 router = APIRouter(tags=["models"])
+
+# OpenAPI links: how a client (or schemathesis' stateful phase) goes from one answer to the next call
+_MODEL_ID = {"model_id": "$response.body#/models/0/id"}
+MODEL_LINKS = {"GetModel": {"operationId": "get_model", "parameters": _MODEL_ID},
+               "ListTensors": {"operationId": "list_tensors", "parameters": _MODEL_ID}}
+TENSOR_LINKS = {"GetTensor": {"operationId": "get_tensor", "parameters": {
+                    "model_id": "$request.path.model_id", "name": "$response.body#/tensors/0/name"}},
+                "LoadTensor": {"operationId": "load_model", "parameters": {"model_id": "$request.path.model_id"},
+                               "requestBody": {"tensors": ["$response.body#/tensors/0/name"]}}}
+LOADED_LINKS = {"UnloadTensor": {"operationId": "unload_model", "parameters": {"model_id": "$request.path.model_id"},
+                                 "requestBody": {"tensors": ["$response.body#/loaded/0/tensor"]}},
+                "GetModelAfterLoad": {"operationId": "get_model", "parameters": {"model_id": "$request.path.model_id"}}}
 
 
 def summary(model: Model) -> dict[str, Any]:
@@ -31,17 +55,18 @@ def _model(request: Request, model_id: str) -> Model:
 def _ok_model(request: Request, model_id: str) -> Model:
     model = _model(request, model_id)
     if model.status != "ok":
-        raise ApiError(422, "model_unreadable", f"model {model_id!r} could not be read: {model.error}")
+        raise ApiError(409, "model_unreadable", f"model {model_id!r} could not be read: {model.error}")
     return model
 
 
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, operation_id="list_models",
+            responses={200: {"links": MODEL_LINKS}})
 def list_models(request: Request) -> dict[str, Any]:
     return {"models": [summary(m) for m in request.app.state.store.scan()]}
 
 
-@router.get("/models/{model_id}", response_model=ModelDetail)
-def get_model(request: Request, model_id: str) -> dict[str, Any]:
+@router.get("/models/{model_id}", response_model=ModelDetail, operation_id="get_model", responses=errors(404))
+def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
     model = _model(request, model_id)
     ok = model.status == "ok"
     return {**summary(model),
@@ -51,14 +76,16 @@ def get_model(request: Request, model_id: str) -> dict[str, Any]:
             "resident": request.app.state.engine_residency(model)}
 
 
-@router.get("/models/{model_id}/tensors", response_model=TensorList)
-def list_tensors(request: Request, model_id: str) -> dict[str, Any]:
+@router.get("/models/{model_id}/tensors", response_model=TensorList, operation_id="list_tensors",
+            responses={200: {"links": TENSOR_LINKS}, **errors(404, 409)})
+def list_tensors(request: Request, model_id: ModelId) -> dict[str, Any]:
     model = _ok_model(request, model_id)
     return {"tensors": [inspect.tensor_row(t) for t in model.tensors.values()]}
 
 
-@router.get("/models/{model_id}/tensors/{name}", response_model=TensorDetail)
-def get_tensor(request: Request, model_id: str, name: str) -> dict[str, Any]:
+@router.get("/models/{model_id}/tensors/{name}", response_model=TensorDetail, operation_id="get_tensor",
+            responses=errors(404, 409))
+def get_tensor(request: Request, model_id: ModelId, name: TensorName) -> dict[str, Any]:
     model = _ok_model(request, model_id)
     info = model.tensors.get(name)
     if info is None:
@@ -78,8 +105,11 @@ def get_tensor(request: Request, model_id: str, name: str) -> dict[str, Any]:
             "stats": stats, "stats_error": stats_error}
 
 
-@router.post("/models/{model_id}/load")
-async def load_model(request: Request, model_id: str, body: LoadRequest | None = Body(None)) -> dict[str, Any]:
+@router.post("/models/{model_id}/load", response_model=LoadResponse, operation_id="load_model",
+             responses={200: {"links": LOADED_LINKS}, **errors(404, 409, 422, 503)})
+async def load_model(request: Request, model_id: ModelId,
+                     body: LoadRequest | None = Body(None, description="optional: all matmul tensors when absent or "
+                                                                       "null")) -> dict[str, Any]:
     """Upload a model's matmul tensors (or the named ones) to the GPU, ahead of the first request."""
     model = _ok_model(request, model_id)
     engine = request.app.state.engine
@@ -98,8 +128,11 @@ async def load_model(request: Request, model_id: str, body: LoadRequest | None =
     return {"model": model.id, "loaded": loaded, "resident": request.app.state.engine_residency(model)}
 
 
-@router.post("/models/{model_id}/unload")
-async def unload_model(request: Request, model_id: str, body: LoadRequest | None = Body(None)) -> dict[str, Any]:
+@router.post("/models/{model_id}/unload", response_model=UnloadResponse, operation_id="unload_model",
+             responses=errors(404))
+async def unload_model(request: Request, model_id: ModelId,
+                       body: UnloadRequest | None = Body(None, description="optional: all of the model's tensors "
+                                                                           "when absent or null")) -> dict[str, Any]:
     """Free a model's weights (or the named tensors') from the GPU."""
     model = _model(request, model_id)
     engine = request.app.state.engine

@@ -1,0 +1,75 @@
+"""The OpenAPI document: every status a route can answer, with the one error model.
+
+Routes declare the statuses their own logic answers (`errors(404, 422)`); the statuses that the
+request guards answer on every route (400 for a malformed Content-Length or request, 413 for a body
+over the limit, 401 when an API key is set) are added here, once, with the bearer security scheme.
+FastAPI's default 422 (its HTTPValidationError model) is removed: validation errors answer 400 with
+`ErrorResponse` (app/errors.py), so that entry would describe a body the server never sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from app.schemas import ErrorResponse
+
+WHY = {
+    400: "Malformed request: a body or parameter that is not what the schema says (`bad_request`, `bad_json`, "
+         "`bad_npy`), or a Content-Length that is not a non-negative integer.",
+    401: "Missing or wrong API key (`unauthorized`): send `Authorization: Bearer <QGEMM_API_KEY>`.",
+    404: "No such model or tensor (`model_not_found`, `tensor_not_found`, `not_found`).",
+    409: "The request is well formed but the server's state refuses it (`no_gpu`: nothing to load on the CPU "
+         "backend; `model_unreadable`: the model's file cannot be read).",
+    413: "The body is over QGEMM_MAX_BODY_BYTES (`body_too_large`).",
+    415: "Content-Type is neither application/json nor application/x-npy (`unsupported_media_type`).",
+    422: "Well formed, but it cannot be computed with this tensor on this server: shape (`bad_shape`, "
+         "`k_mismatch`, `too_many_rows`), values (`non_finite`, `activation_out_of_range`, `product_out_of_range`), "
+         "`bad_dtype`, `unsupported_tensor`, `unknown_kernel`, `kernel_cannot_run`.",
+    503: "The GPU is out of memory for these weights (`gpu_out_of_memory`); retry after the Retry-After seconds.",
+}
+GUARDS = (400, 413)  # BodyLimit and request validation, on every route
+ERROR_REF = "#/components/schemas/ErrorResponse"
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for the statuses a route's own logic answers."""
+    return {s: {"model": ErrorResponse, "description": WHY[s]} for s in statuses}
+
+
+def _error_entry(status: int) -> dict[str, Any]:
+    return {"description": WHY[status], "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}
+
+
+def _is_fastapi_validation(entry: dict[str, Any]) -> bool:
+    schema = entry.get("content", {}).get("application/json", {}).get("schema", {})
+    return schema.get("$ref", "").endswith("/HTTPValidationError")
+
+
+def install(app: FastAPI, api_key_set: bool) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path, ops in doc.get("paths", {}).items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                if "422" in responses and _is_fastapi_validation(responses["422"]):
+                    del responses["422"]
+                statuses = GUARDS + ((401,) if api_key_set and path.startswith("/v1/") else ())
+                for status in statuses:
+                    responses.setdefault(str(status), _error_entry(status))
+                if api_key_set and path.startswith("/v1/"):
+                    op["security"] = [{"bearer": []}]
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        if api_key_set:
+            doc["components"]["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "QGEMM_API_KEY"}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,99 @@
+"""Schemathesis against the app: every operation of /openapi.json, all checks, stateful links too.
+
+The app runs on the CPU backend over the test models directory (demo, SmolLM2 and the broken files),
+once without and once with an API key.  Schemathesis draws from this run's seed (QGEMM_TEST_SEED,
+printed in the summary), so a failure replays.  QGEMM_SCHEMATHESIS_EXAMPLES sets the examples per
+operation (default 25), QGEMM_SCHEMATHESIS_STEPS the stateful run's steps.  The settings are the
+repository's schemathesis.toml, so `st run http://127.0.0.1:8000/openapi.json --checks all` against a
+live server runs the same (README, "API conformance"); tests/schemathesis_hooks.py says what its hooks
+supply and why.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+
+import schemathesis
+
+from app.main import create_app
+from app.settings import Settings
+from tests import schemathesis_hooks
+from tests.conftest import RUN_SEED, find_real_models_dir, populate_models_dir
+
+EXAMPLES = int(os.environ.get("QGEMM_SCHEMATHESIS_EXAMPLES", "25"))
+STEPS = int(os.environ.get("QGEMM_SCHEMATHESIS_STEPS", "40"))
+API_KEY = "schemathesis-key"
+SETTINGS = tomllib.loads((Path(__file__).parent.parent / "schemathesis.toml").read_text())
+
+MODELS_DIR = populate_models_dir(Path(tempfile.mkdtemp(prefix="qgemm-schemathesis-")), find_real_models_dir())
+schemathesis_hooks.use_models_dir(MODELS_DIR)
+
+
+def api_schema(api_key: str | None, examples: int) -> schemathesis.BaseSchema:
+    """Built at import, as schemathesis' pytest plugin wants (its lazy fixture loader fails under pytest 9)."""
+    config = schemathesis.Config.from_dict({
+        **SETTINGS,
+        **({"auth": {"openapi": {"bearer": {"bearer": api_key}}}} if api_key else {}),
+        "seed": RUN_SEED,
+        "generation": {"max-examples": examples, "database": "none"},
+        "phases": {"stateful": {"max-steps": STEPS}},
+    })
+    app = create_app(Settings(models_dir=MODELS_DIR, backend="cpu", api_key=api_key))
+    return schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
+
+
+schema = api_schema(None, EXAMPLES)
+keyed_schema = api_schema(API_KEY, max(EXAMPLES // 3, 5))
+
+
+@schema.parametrize()
+def test_every_operation_conforms(case: schemathesis.Case) -> None:
+    case.call_and_validate()
+
+
+@keyed_schema.parametrize()
+def test_every_operation_conforms_with_an_api_key(case: schemathesis.Case) -> None:
+    """QGEMM_API_KEY set: the document adds the bearer scheme and a 401 to every /v1 route, and
+    schemathesis' ignored_auth check sends requests without the key."""
+    case.call_and_validate()
+
+
+def test_stateful_links() -> None:
+    schema.as_state_machine().run()
+
+
+def _document(api_key: str | None) -> dict:
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(Settings(models_dir=MODELS_DIR, backend="cpu", api_key=api_key))) as c:
+        return c.get("/openapi.json").json()
+
+
+def test_every_error_entry_is_the_error_model_and_fastapis_422_is_gone() -> None:
+    doc = _document(None)
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            statuses = set(op["responses"])
+            assert {"200", "400", "413"} <= statuses, (method, path)
+            assert "401" not in statuses and "security" not in op
+            for status, entry in op["responses"].items():
+                if status != "200":
+                    ref = entry["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.endswith("/ErrorResponse") and entry["description"], (method, path, status)
+    matmul = doc["paths"]["/v1/matmul"]["post"]
+    assert {"404", "415", "422", "503"} <= set(matmul["responses"])
+    assert set(matmul["requestBody"]["content"]) == {"application/json", "application/x-npy"}
+    assert {p["name"]: p["schema"].get("examples") for p in matmul["parameters"]}["tensor"] == ["tiny.q4_0.weight"]
+
+
+def test_a_key_adds_the_bearer_scheme_and_401_to_every_v1_route() -> None:
+    doc = _document(API_KEY)
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            assert ("401" in op["responses"]) == path.startswith("/v1/")
+            assert ("security" in op) == path.startswith("/v1/")
