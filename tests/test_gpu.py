@@ -352,6 +352,19 @@ def test_load_unload_and_residency(gpu_client) -> None:
     assert gpu_client.post("/v1/models/demo/load", json={"tensors": ["nope"]}).status_code == 404
 
 
+def test_out_of_range_activations_are_refused_before_gpu_work(gpu_client) -> None:
+    """A Q8_1 block whose half scale or sum would be infinite: 422 on the CUDA backend too, naming the block,
+    and the next product on the same client still answers."""
+    x = [[0.25] * 64, [0.5] * 40 + [3000.0] * 24]  # row 1, block 1 sums to 72,000 > 65,504
+    for kernel in ("auto", "gemv", "mmq"):
+        r = gpu_client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight", "kernel": kernel,
+                                                "activations": x})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "activation_out_of_range", r.text
+        assert "row 1, block 1" in r.json()["error"]["message"]
+    r = gpu_client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q8_0.weight", "activations": x})
+    assert r.status_code == 200 and r.headers["X-Qgemm-Backend"] == "cuda", r.text  # Q8_0 never reads s_a
+
+
 def test_memory_budget_evicts_and_refuses(gpu_models_dir: Path, rng: np.random.Generator) -> None:
     from tests.conftest import make_client
 
