@@ -46,7 +46,9 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     path, wrote = ensure_demo(settings.models_dir)
     if wrote:
         print(f"wrote the demo model: {path}")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                loop="uvloop", http="httptools", access_log=settings.access_log)
     return 0
 
 
@@ -115,6 +117,37 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     return bench_main(args)
 
 
+def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
+    import httpx
+
+    from app import loadtest
+
+    url = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    r = httpx.get(f"{url}/v1/models/{args.model}/tensors/{args.tensor}", headers=headers, timeout=30)
+    if r.status_code != 200:
+        print(f"error: {r.status_code} {r.text}", file=sys.stderr)
+        return 1
+    rows = []
+    for m in args.m:
+        for clients in args.clients:
+            for fmt in args.format:
+                plan = loadtest.Plan(url, args.model, args.tensor, r.json()["shape"][1], m, args.kernel, fmt, clients,
+                                     args.seconds, settings.api_key)
+                print(f"M={m} clients={clients} {fmt}:", file=sys.stderr)
+                row = loadtest.run(plan, args.processes)
+                rows.append({**row, "label": args.label} if args.label else row)
+                print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
+                      f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
+                      f" ms, GPU share {row['gpu_share']:.1%}", file=sys.stderr)
+    text = json.dumps(rows, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,9 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments = None
     if add_arguments:
         add_arguments(p)
+    p = sub.add_parser("loadtest", help="drive a running server with concurrent clients; report throughput, latency")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--tensor", default="blk.0.attn_q.weight")
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    p.add_argument("--m", type=ints, default=[1], help="rows per request (comma-separated for several runs)")
+    p.add_argument("--clients", type=ints, default=[8], help="concurrent clients (comma-separated)")
+    p.add_argument("--format", type=lambda v: v.split(","), default=["npy"], help="npy, json or npy,json")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each run")
+    p.add_argument("--processes", type=int, default=None, help="client processes (default: half the CPUs)")
+    p.add_argument("--label", default=None, help="a label written into each result row")
+    p.add_argument("--out", default=None, help="write the JSON rows here (default: stdout)")
     args = parser.parse_args(argv)
     settings = Settings.from_env()
-    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench}
+    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench,
+                "loadtest": cmd_loadtest}
     return commands[args.command](args, settings)
 
 

@@ -7,13 +7,16 @@ turns those reasons into HTTP errors.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from fastapi.concurrency import run_in_threadpool
 
 from app.errors import ApiError
+from app.scheduler import Answer, Scheduler
 from app.settings import Settings
 from kernels.cpu import CpuBackend, Result, Weights
 from kernels.errors import DeviceOutOfMemory
@@ -23,12 +26,15 @@ from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, kno
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
+INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
 
 
 class Engine:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.cpu = CpuBackend(settings.cpu_cache_bytes)
+        self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qgemm-cpu")
+        self.scheduler = Scheduler(self._run_batch, settings.batch_max_rows, settings.batch_wait_us)
         self.cuda: Any = None
         self.cuda_error: str | None = None
         if settings.backend in ("auto", "cuda"):
@@ -134,7 +140,9 @@ class Engine:
         n, k = info.shape
         return Weights((model.version_key, info.name), info.type_name, n, k, lambda: model.raw(info.name))
 
-    def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str) -> tuple[KernelSpec, Result]:
+    def prepare(self, model: Model, info: TensorInfo, x: np.ndarray,
+                kernel: str) -> tuple[np.ndarray, KernelSpec | None]:
+        """Every check a request can fail before it queues: X as float32, and its kernel (None: auto)."""
         if info.matmul_reason:
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
         self.check_activations(x, info)
@@ -143,29 +151,43 @@ class Engine:
             x32 = np.ascontiguousarray(x, dtype=np.float32)
         if not np.isfinite(x32).all():
             raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
-        if spec.activation_format == "q8_1":
+        if kernel == "auto" or spec.activation_format == "q8_1":  # auto may pick a Q8_1 kernel at any batch M
             fmt = format_of(info.type_name)
             overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum)
             if overflow is not None:
                 raise ApiError(422, "activation_out_of_range", f"activations out of range for {spec.name}: {overflow}")
-        w = self.weights(model, info)
-        if spec.backend == "cuda":
-            try:
-                result = self.cuda.run(spec, w, x32)
-            except DeviceOutOfMemory as exc:
-                raise ApiError(503, "gpu_out_of_memory", str(exc), headers={"Retry-After": "1"}) from None
-        else:
-            result = self.cpu.run(spec.name, w, x32)
-        if not np.isfinite(result.output).all():
-            r, c = (int(v) for v in np.argwhere(~np.isfinite(result.output))[0])
+        return x32, None if kernel == "auto" else spec
+
+    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str) -> Answer:
+        """A request's product, through the scheduler (which may batch it with others of this tensor)."""
+        if x.size <= INLINE_VALUES:
+            x32, spec = self.prepare(model, info, x, kernel)
+        else:  # large X: its checks take milliseconds, off the event loop
+            x32, spec = await run_in_threadpool(self.prepare, model, info, x, kernel)
+        answer = await self.scheduler.submit((model.version_key, info.name), (model, info), x32, spec,
+                                             lambda rows: self.choose("auto", info, rows))
+        if not np.isfinite(answer.output).all():
+            r, c = (int(v) for v in np.argwhere(~np.isfinite(answer.output))[0])
             raise ApiError(422, "product_out_of_range",
                            f"the product overflows float32 (first at row {r}, column {c}): scale the activations down")
-        return spec, result
+        return answer
 
-    async def run_matmul(self, model: Model, info: TensorInfo, x: np.ndarray,
-                         kernel: str) -> tuple[KernelSpec, Result]:
-        """Off the event loop, so that one long product never stalls the other requests."""
-        return await run_in_threadpool(self.matmul, model, info, x, kernel)
+    async def _run_batch(self, context: tuple[Model, TensorInfo], spec: KernelSpec | None,
+                         parts: list[np.ndarray]) -> tuple[KernelSpec, Result]:
+        """One product of stacked rows on the backend's own worker thread (never the event loop)."""
+        model, info = context
+        if spec is None:
+            spec = self.choose("auto", info, sum(p.shape[0] for p in parts))
+        w = self.weights(model, info)
+        if spec.backend == "cuda":
+            future = self.cuda.submit(lambda: self.cuda.run_here(spec, w, parts))
+        else:
+            future = self._cpu_worker.submit(
+                lambda: self.cpu.run(spec.name, w, parts[0] if len(parts) == 1 else np.concatenate(parts)))
+        try:
+            return spec, await asyncio.wrap_future(future)
+        except DeviceOutOfMemory as exc:
+            raise ApiError(503, "gpu_out_of_memory", str(exc), headers={"Retry-After": "1"}) from None
 
     def preload(self, model: Model, infos: list[TensorInfo], kernel: str | None) -> list[dict[str, Any]]:
         """Upload tensors to the GPU in the layouts `kernel` (default: what auto picks) reads."""
@@ -188,3 +210,4 @@ class Engine:
     def close(self) -> None:
         if self.cuda is not None:
             self.cuda.close()
+        self._cpu_worker.shutdown(wait=True)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from app import __version__, errors, openapi
 from app.engine import Engine
 from app.limits import BodyLimit, require_api_key
+from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
 from app.settings import Settings
 from models.cache import ByteLRU
@@ -31,6 +32,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 log.warning("model %s: %s", m.id, m.error)
         engine = Engine(settings)
         app.state.store, app.state.engine = store, engine
+        engine.scheduler.observe = metrics.observe_batch
+        metrics.track(engine.scheduler.depth, engine.cuda.memory if engine.cuda is not None else None)
         app.state.stats_cache = ByteLRU(64)  # counts entries: 64 tensors' statistics
 
         def residency(model: Model) -> dict[str, Any]:
@@ -49,6 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="qgemm", version=__version__, lifespan=lifespan,
                   description="Inspect GGUF models and multiply their quantized weights the way llama.cpp does.")
     app.state.settings = settings
+    metrics = Metrics()
+    app.state.metrics = metrics
     errors.install(app)
     openapi.install(app, api_key_set=settings.api_key is not None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -58,4 +63,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(system.health_router)
     app.include_router(v1)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=metrics, templates=lambda: list(app.openapi()["paths"]))
     return app

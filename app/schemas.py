@@ -141,6 +141,12 @@ class MatmulRequest(BaseModel):
     activations: list[Annotated[list[float], Field(min_length=1)]] = Field(min_length=1, description=ACTIVATIONS_DOC)
 
 
+class BatchInfo(BaseModel):
+    requests: int = Field(description="requests (or chunks) in the product this request ran in; 1: alone")
+    rows: int = Field(description="that product's M")
+    chunks: int | None = Field(None, description="a request over QGEMM_BATCH_MAX_ROWS rows: the chunks it was cut into")
+
+
 class MatmulResponse(BaseModel):
     output: list[list[float]]
     shape: list[int]
@@ -150,6 +156,7 @@ class MatmulResponse(BaseModel):
     activation_format: Literal["q8_1", "f32", "f16"]
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
+    batch: BatchInfo
 
 
 class LoadRequest(BaseModel):

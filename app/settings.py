@@ -27,6 +27,9 @@ class Settings(BaseModel):
     cpu_cache_bytes: int = Field(2048 * MiB, ge=0)  # prepared weights kept for the CPU kernels
     gpu_memory_bytes: int | None = Field(None, ge=0)  # resident weights on the GPU; None: a share of free
     log_level: str = "info"
+    batch_max_rows: int = Field(512, gt=0)  # rows of one batched product; longer requests are cut into chunks
+    batch_wait_us: int = Field(100, ge=0)  # after a batch, when others queue: time to take in more; 0: no batching
+    access_log: bool = False  # uvicorn's line per request (off: it costs more than a small product)
     dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
     @field_validator("api_key")

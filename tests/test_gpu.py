@@ -12,6 +12,7 @@ import functools
 import io
 import itertools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -413,3 +414,49 @@ def test_concurrent_requests(gpu_client, gpu_models_dir: Path) -> None:
     for t in threads:
         t.join()
     assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "mmq", "gemv"])
+def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Path, kernel: str) -> None:
+    """16 clients at once on one tensor (CUDA backend, batching on): each answer is exactly its rows of the
+    batch's product (that product re-run alone with the same kernel gives the same bits), each row meets the
+    reference's bound, and some requests did run together."""
+    from tests.conftest import make_client
+
+    name, k = "blk.0.attn_q.weight", 4096
+    with make_client(gpu_models_dir, backend="cuda") as c:
+        engine = c.app.state.engine
+        ran: list[tuple[object, list[np.ndarray], np.ndarray]] = []
+        run_batch = engine.scheduler.run_batch
+
+        async def recording(context, spec, parts):
+            spec_ran, result = await run_batch(context, spec, parts)
+            ran.append((spec_ran, [p.copy() for p in parts], result.output.copy()))
+            return spec_ran, result
+
+        engine.scheduler.run_batch = recording
+        xs = [np.random.default_rng(stream_seed(f"batched {kernel} {i}")).standard_normal((1 + i % 2, k))
+              .astype(np.float32) for i in range(16)]
+
+        def post(x: np.ndarray):
+            return c.post("/v1/matmul", json={"model": "demo", "tensor": name, "kernel": kernel,
+                                              "activations": x.tolist()})
+
+        post(xs[0])  # weights uploaded once, outside the race
+        ran.clear()
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(post, xs))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:2]
+        assert max(r.json()["batch"]["requests"] for r in answers) > 1
+        info = next(t for t in c.app.state.store.get("demo").tensors.values() if t.name == name)
+        w = engine.weights(c.app.state.store.get("demo"), info)
+        for spec, parts, out in ran:
+            again = engine.cuda.run(spec, w, np.concatenate(parts)).output
+            assert np.array_equal(again, out), spec.name  # the batch is deterministic
+        rows = {tuple(p[0, :4]): (out, sum(q.shape[0] for q in parts[:i]))
+                for spec, parts, out in ran for i, p in enumerate(parts)}
+        for x, r in zip(xs, answers, strict=True):
+            out, row = rows[tuple(x[0, :4])]
+            y = np.array(r.json()["output"], dtype=np.float32)
+            assert np.array_equal(y, out[row:row + x.shape[0]])  # its own rows, handed back whole
+            check_answer(gpu_models_dir / "demo.gguf", name, x, y, r.json()["activation_format"])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import io
-import json
 import time
-from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from numpy.lib import format as npformat
 from pydantic import ValidationError
 
 from app.errors import ApiError
@@ -21,6 +21,7 @@ router = APIRouter(tags=["matmul"])
 
 NPY = "application/x-npy"
 JSON = "application/json"
+INLINE_BYTES = 1 << 18  # JSON bodies up to this size are parsed on the event loop (a thread hop costs more)
 
 
 def _media(value: str | None) -> str:
@@ -50,17 +51,23 @@ def rows_to_array(rows: list[list[float]]) -> np.ndarray:
 
 
 def parse_npy(body: bytes) -> np.ndarray:
+    """The .npy body as an array over the body's own bytes (numpy's header reader, no copy, no pickles)."""
+    f = io.BytesIO(body)
     try:
-        x = np.load(io.BytesIO(body), allow_pickle=False)
-    except ValueError as exc:
-        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {exc}") from None
+        version = npformat.read_magic(f)
+        read_header = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
     except Exception as exc:  # truncated or garbage headers raise several kinds
         raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {type(exc).__name__}: {exc}") from None
-    if not isinstance(x, np.ndarray):
-        raise ApiError(400, "bad_npy", "body holds no single .npy array")
-    if x.dtype not in (np.float32, np.float64):
-        raise ApiError(422, "bad_dtype", f".npy activations must be float32 or float64, not {x.dtype}")
-    return x
+    if dtype.hasobject:
+        raise ApiError(400, "bad_npy", "body is not a readable .npy array: object arrays (pickles) are refused")
+    if dtype.kind != "f" or dtype.itemsize not in (4, 8):
+        raise ApiError(422, "bad_dtype", f".npy activations must be float32 or float64, not {dtype}")
+    count = int(np.prod(shape))
+    if len(body) - f.tell() < count * dtype.itemsize:
+        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {shape} {dtype} needs "
+                                       f"{count * dtype.itemsize} bytes of data, the body has {len(body) - f.tell()}")
+    return np.frombuffer(body, dtype, count, f.tell()).reshape(shape, order="F" if fortran else "C")
 
 
 def server_timing(timing: dict[str, float]) -> str:
@@ -68,11 +75,13 @@ def server_timing(timing: dict[str, float]) -> str:
 
 
 MATMUL_HEADERS = {
-    "Server-Timing": "the timing_ms entries (upload, quantize, gemm, download, total, request) in ms",
+    "Server-Timing": "the timing_ms entries (upload, quantize, gemm, download, total, queue, request) in ms, "
+                     "and the batch",
     "X-Qgemm-Kernel": "the kernel that ran (auto resolved)",
     "X-Qgemm-Backend": "cpu or cuda",
     "X-Qgemm-Activation-Format": "the activation format the kernel computes with",
     "X-Qgemm-Shape": "M,N of the output",
+    "X-Qgemm-Batch": "requests,rows of the batched product this request ran in (1,M when alone)",
 }
 REQUEST_BODY = {
     "required": True,
@@ -118,7 +127,7 @@ async def matmul(
                        f"Content-Type must be {JSON} or {NPY}, not {ctype or 'missing'}")
     body = await request.body()
     if ctype == JSON:
-        req = await run_in_threadpool(parse_json, body)
+        req = parse_json(body) if len(body) <= INLINE_BYTES else await run_in_threadpool(parse_json, body)
         model_id, tensor_name, kernel_name = req.model, req.tensor, req.kernel
     else:
         if not model or not tensor:
@@ -130,25 +139,42 @@ async def matmul(
         mdl, info = state.store.tensor(model_id, tensor_name)
     except NotFound as exc:
         raise ApiError(404, "not_found", str(exc)) from None
-    x = await run_in_threadpool(rows_to_array, req.activations) if ctype == JSON \
-        else await run_in_threadpool(parse_npy, body)
-    spec, result = await state.engine.run_matmul(mdl, info, x, kernel_name)
-    timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
-    y = result.output
-    headers = {"X-Qgemm-Kernel": spec.name, "X-Qgemm-Backend": result.backend,
-               "X-Qgemm-Activation-Format": result.activation_format,
-               "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}"}
-    wants_npy = NPY in (request.headers.get("accept") or "").lower()
-    if wants_npy:
-        buf = io.BytesIO()
-        np.save(buf, np.ascontiguousarray(y, dtype=np.float32), allow_pickle=False)
-        content, media = buf.getvalue(), NPY
+    if ctype == NPY:
+        x = parse_npy(body)
     else:
-        payload: dict[str, Any] = {"output": y.tolist(), "shape": list(y.shape), "model": mdl.id,
-                                   "tensor": info.name, "kernel": spec.name,
-                                   "activation_format": result.activation_format,
-                                   "backend": result.backend, "timing_ms": timing}
-        content, media = json.dumps(payload, allow_nan=False).encode(), JSON
+        x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
+            else await run_in_threadpool(rows_to_array, req.activations)
+    answer = await state.engine.matmul(mdl, info, x, kernel_name)
+    result, y = answer.result, answer.output
+    timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
+    timing["queue"] = round(answer.queue_ms, 4)
+    batch = answer.batch
+    headers = {"X-Qgemm-Kernel": answer.spec.name, "X-Qgemm-Backend": result.backend,
+               "X-Qgemm-Activation-Format": result.activation_format,
+               "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
+               "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}"}
+    if NPY in (request.headers.get("accept") or "").lower():
+        y = np.ascontiguousarray(y, dtype=np.float32)
+        content, media = NPY_HEADERS.get(y.shape) or _npy_header(y.shape), NPY
+        content += y.tobytes()
+    else:
+        content, media = orjson.dumps({
+            "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.spec.name,
+            "activation_format": result.activation_format, "backend": result.backend, "timing_ms": timing,
+            "batch": batch}, option=orjson.OPT_SERIALIZE_NUMPY), JSON
     timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
-    headers["Server-Timing"] = server_timing(timing)
+    headers["Server-Timing"] = (server_timing(timing)
+                                + f', batch;desc="{batch["requests"]} requests, {batch["rows"]} rows"')
     return Response(content, media_type=media, headers=headers)
+
+
+NPY_HEADERS: dict[tuple[int, ...], bytes] = {}
+
+
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    """The .npy header of a C-order float32 array of this shape (what np.save writes), cached per shape."""
+    buf = io.BytesIO()
+    npformat.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    if len(NPY_HEADERS) < 4096:
+        NPY_HEADERS[shape] = buf.getvalue()
+    return buf.getvalue()

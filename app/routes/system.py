@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import __version__
 from app.schemas import Health, KernelList
@@ -23,3 +24,15 @@ def healthz(request: Request) -> dict[str, Any]:
 @router.get("/kernels", response_model=KernelList, operation_id="list_kernels")
 def kernels(request: Request) -> dict[str, Any]:
     return {"kernels": request.app.state.engine.kernel_table()}
+
+
+METRICS_DOC = ("Prometheus text exposition: qgemm_http_requests_total, qgemm_http_request_seconds, "
+               "qgemm_batch_requests, qgemm_batch_rows, qgemm_queue_depth, qgemm_gpu_resident_bytes, "
+               "qgemm_gpu_budget_bytes")
+
+
+@health_router.get("/metrics", operation_id="metrics", response_class=Response, responses={
+    200: {"description": METRICS_DOC, "content": {"text/plain": {"schema": {"type": "string"}}}}})
+def metrics(request: Request) -> Response:
+    """For Prometheus to scrape (no API key, like /healthz)."""
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import cupy
 import numpy as np
 
-from app.settings import Settings
 from kernels import reference
 from kernels.cpu import Result, Weights
 from kernels.cuda import launch
@@ -31,6 +30,28 @@ R = TypeVar("R")
 POISON_Q8_1 = 0xAB
 
 
+class Options(Protocol):
+    """What the backend reads of the service's settings (app.settings.Settings has both)."""
+    gpu_memory_bytes: int | None
+    dependent_launch: bool
+
+
+class Staging:
+    """Pinned host buffers, reused across requests and grown when a larger one is needed: copies
+    from and to them are truly asynchronous on the worker's stream, and nothing is allocated per request."""
+
+    def __init__(self) -> None:
+        self._mem: dict[str, Any] = {}
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        mem = self._mem.get(name)
+        if mem is None or mem.size() < nbytes:
+            mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1 << 16, 2 * (mem.size() if mem else 0)))
+            self._mem[name] = mem
+        return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+
 def cuda_device_present() -> bool:
     try:
         return cupy.cuda.runtime.getDeviceCount() > 0
@@ -41,12 +62,12 @@ def cuda_device_present() -> bool:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, settings: Settings, sources: tuple[str, ...] = SOURCES):
+    def __init__(self, settings: Options, sources: tuple[str, ...] = SOURCES):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qgemm-gpu")
         self._closed = threading.Event()
         self._call(lambda: self._start(settings, sources))
 
-    def _start(self, settings: Settings, sources: tuple[str, ...]) -> None:
+    def _start(self, settings: Options, sources: tuple[str, ...]) -> None:
         dev = cupy.cuda.Device(0)
         dev.use()
         props = cupy.cuda.runtime.getDeviceProperties(0)
@@ -56,6 +77,8 @@ class CudaBackend:
         self.sm_count = int(props["multiProcessorCount"])
         self.l2_bytes = int(props["l2CacheSize"])
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.staging = Staging()
+        self.events = [cupy.cuda.Event() for _ in range(5)]
         free, total = cupy.cuda.runtime.memGetInfo()
         budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
         self.total_memory = int(total)
@@ -71,6 +94,12 @@ class CudaBackend:
         if self._closed.is_set():
             raise RuntimeError("the CUDA backend is closed")
         return self._pool.submit(fn).result()
+
+    def submit(self, fn: Callable[[], R]) -> Future[R]:
+        """Run fn on the worker thread without waiting (the service's scheduler awaits the future)."""
+        if self._closed.is_set():
+            raise RuntimeError("the CUDA backend is closed")
+        return self._pool.submit(fn)
 
     def close(self) -> None:
         if not self._closed.is_set():
@@ -119,41 +148,58 @@ class CudaBackend:
             return vk == version_key and (tensors is None or name in tensors)
         return self._call(lambda: self.resident.unload(match))
 
+    def memory(self) -> tuple[int, int]:
+        """(weight bytes resident, the budget)."""
+        return sum(size for _, _, size in self.resident.entries()), self.resident.budget
+
     def residency(self, version_key: Hashable) -> dict[str, Any]:
         rows = [{"tensor": key[1], "layout": layout, "n_bytes": size}  # type: ignore[index]
                 for key, layout, size in self.resident.entries() if key[0] == version_key]  # type: ignore[index]
         return {"backend": "cuda", "n_bytes": sum(r["n_bytes"] for r in rows), "tensors": rows}
 
     # -- a matmul ---------------------------------------------------------------------------------
-    def run(self, spec: KernelSpec, w: Weights, x: np.ndarray, poison: bool = False,
+    def run(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
             keep_q8_1: bool = False) -> Result:
-        def attempt() -> Result:
-            try:
-                return self._run(spec, w, x, poison, keep_q8_1)
-            except DeviceOutOfMemory:
-                raise
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                # free what requests left in the pool and cached weights, then try once more
-                self.resident.evict_all()
-                try:
-                    return self._run(spec, w, x, poison, keep_q8_1)
-                except Exception as exc2:
-                    if is_oom(exc2):
-                        raise DeviceOutOfMemory(f"GPU out of memory running {spec.name} on M={x.shape[0]}, "
-                                                f"N={w.n}, K={w.k}") from None
-                    raise
-        return self._call(attempt)
+        return self._call(lambda: self.run_here(spec, w, x, poison, keep_q8_1))
 
-    def _run(self, spec: KernelSpec, w: Weights, x: np.ndarray, poison: bool, keep_q8_1: bool) -> Result:
-        m, k = x.shape
-        n = w.n
+    def run_here(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
+                 keep_q8_1: bool = False) -> Result:
+        """On the worker thread: X (or its row blocks, stacked as they are copied in) times W."""
+        parts = [x] if isinstance(x, np.ndarray) else x
+        try:
+            return self._run(spec, w, parts, poison, keep_q8_1)
+        except DeviceOutOfMemory:
+            raise
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            # free what requests left in the pool and cached weights, then try once more
+            self.resident.evict_all()
+            cupy.get_default_memory_pool().free_all_blocks()
+            try:
+                return self._run(spec, w, parts, poison, keep_q8_1)
+            except Exception as exc2:
+                if is_oom(exc2):
+                    m = sum(p.shape[0] for p in parts)
+                    raise DeviceOutOfMemory(f"GPU out of memory running {spec.name} on M={m}, "
+                                            f"N={w.n}, K={w.k}") from None
+                raise
+
+    def _run(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool,
+             keep_q8_1: bool) -> Result:
+        m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
+        x_h = self.staging.array("x", (m, k), np.float32)
+        row = 0
+        for p in parts:  # the one host copy: request rows straight into pinned memory
+            x_h[row:row + p.shape[0]] = p
+            row += p.shape[0]
+        y_h = self.staging.array("y", (m, n), np.float32)
+        ev = self.events
         with self.stream as s:
             arrays, weights_ms = self._weights(spec, w)
-            ev = [cupy.cuda.Event() for _ in range(5)]
             ev[0].record(s)
-            x_d = cupy.asarray(x)
+            x_d = cupy.empty((m, k), dtype=cupy.float32)  # from CuPy's pool: no cudaMalloc once warm
+            x_d.set(x_h, stream=s)
             ev[1].record(s)
             acts: Any
             if spec.activation_format == "q8_1":
@@ -172,12 +218,13 @@ class CudaBackend:
                 y_d.fill(cupy.nan)
             launch.launch_gemm(self.modules, spec, w.type_name, arrays, acts, y_d, m, n, k)
             ev[3].record(s)
-            y = cupy.asnumpy(y_d, stream=s)
+            y_d.get(stream=s, out=y_h, blocking=False)
             ev[4].record(s)
-            ev[4].synchronize()
+            ev[4].synchronize()  # the one synchronization of a product (or a batch)
             q8_1 = None
             if keep_q8_1 and spec.activation_format == "q8_1":
                 q8_1 = launch.q8_1_to_host(acts, m, k)
+        y = y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": weights_ms + sum(t)}

@@ -1,0 +1,79 @@
+"""Prometheus metrics (prometheus-client): requests by route and status, latency, batches, queue
+depth and GPU residency, served at GET /metrics in the text exposition format."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+POWERS_OF_TWO = tuple(float(1 << i) for i in range(14))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()  # one per app, so that test apps do not share counts
+        r = self.registry
+        self.requests = Counter("qgemm_http_requests", "HTTP requests by route template, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("qgemm_http_request_seconds", "Time from the request's start to its last byte",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_requests = Histogram("qgemm_batch_requests", "Requests (or chunks) per product run on the device",
+                                        buckets=POWERS_OF_TWO, registry=r)
+        self.batch_rows = Histogram("qgemm_batch_rows", "Rows (M) per product run on the device",
+                                    buckets=POWERS_OF_TWO, registry=r)
+        self.queue_depth = Gauge("qgemm_queue_depth", "Requests (or chunks) waiting for the device", registry=r)
+        self.resident_bytes = Gauge("qgemm_gpu_resident_bytes", "Weight bytes resident on the GPU", registry=r)
+        self.gpu_budget_bytes = Gauge("qgemm_gpu_budget_bytes", "The GPU weight budget", registry=r)
+
+    def observe_batch(self, requests: int, rows: int) -> None:
+        self.batch_requests.observe(requests)
+        self.batch_rows.observe(rows)
+
+    def track(self, queue_depth: Callable[[], int], resident: Callable[[], tuple[int, int]] | None) -> None:
+        """Gauges read when scraped."""
+        self.queue_depth.set_function(queue_depth)
+        if resident is not None:
+            self.resident_bytes.set_function(lambda: resident()[0])
+            self.gpu_budget_bytes.set_function(lambda: resident()[1])
+
+
+class RequestMetrics:
+    """ASGI middleware: counts each HTTP request by its route template (not its raw path, so that
+    model and tensor names do not make unbounded label sets) and status, and times it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, templates: Callable[[], list[str]]):
+        self.app, self.metrics, self.templates = app, metrics, templates
+        self._patterns: list[tuple[re.Pattern[str], str]] | None = None
+
+    def template(self, path: str) -> str:
+        """The route template a path matched (from the OpenAPI paths: routers nested under a prefix
+        know only their own part of it), or "(unmatched)"."""
+        if self._patterns is None:
+            self._patterns = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(t)) + "$"), t)
+                              for t in self.templates()]
+        return next((t for pattern, t in self._patterns if pattern.match(path)), "(unmatched)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            template = self.template(scope["path"])
+            self.metrics.requests.labels(template, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(template).observe(time.perf_counter() - t0)

@@ -1,0 +1,166 @@
+"""Dynamic batching: the one place where products meet the device.
+
+Every product goes through `Scheduler.submit`.  A request that finds the device idle starts at once.
+Requests that arrive while it is busy wait in a queue per (tensor, kernel); when the device frees,
+the next queue in round-robin order (so different tensors are served fairly) gives up to
+QGEMM_BATCH_MAX_ROWS rows of its requests, stacked row-wise into one product, and each request gets
+its own rows back.  `auto` picks the kernel by the batch's M; a named kernel is kept (and its own M
+limit bounds the batch).  Rows are independent in every kernel (each output row depends on its own
+activations only), so a request's rows equal what that kernel computes for them alone at the
+batch's M.
+
+A request of more than QGEMM_BATCH_MAX_ROWS rows is cut into chunks of that many, all run by the
+kernel its full chunks choose, and queued like other work: a huge product never holds the device
+for its whole length while small ones wait.  QGEMM_BATCH_WAIT_US is how long the scheduler lets the
+event loop take in more requests after a batch, when others are already queued (never when the
+device is idle); 0 turns batching off: one request (or chunk) at a time, in arrival order per queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kernels.cpu import Result
+from kernels.registry import KernelSpec
+
+
+@dataclass
+class Chunk:
+    """A request's rows, or a block of them, waiting for the device."""
+
+    rows: np.ndarray  # float32 [m, K]
+    context: Any  # what run_batch needs to find the weights (the same for a whole queue)
+    spec: KernelSpec | None  # None: auto, picked by the batch's M
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class BatchAnswer:
+    """What one chunk got back from the batch it ran in."""
+
+    output: np.ndarray
+    spec: KernelSpec
+    result: Result
+    requests: int  # chunks in that batch
+    rows: int  # rows in that batch
+    queue_ms: float
+
+
+@dataclass
+class Answer:
+    output: np.ndarray
+    spec: KernelSpec
+    result: Result  # the (last) batch's result: backend, activation format, timing
+    batch: dict[str, int]  # {"requests", "rows"} of the largest batch this request ran in (+ "chunks" if cut)
+    queue_ms: float
+
+
+RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray]], Awaitable[tuple[KernelSpec, Result]]]
+
+
+class Scheduler:
+    def __init__(self, run_batch: RunBatch, max_rows: int, wait_us: int,
+                 observe: Callable[[int, int], None] | None = None):
+        """`run_batch(context, spec, parts)` runs the product of the stacked parts on the device and
+        returns (the spec that ran, its Result); `observe(requests, rows)` sees each batch."""
+        self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
+        self.observe = observe
+        self.queues: OrderedDict[Hashable, deque[Chunk]] = OrderedDict()
+        self.busy = False
+
+    @property
+    def batching(self) -> bool:
+        return self.wait_s > 0
+
+    def depth(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: KernelSpec | None,
+                     chunk_spec: Callable[[int], KernelSpec]) -> Answer:
+        """Queue X [M, K] under `key` (a tensor); `spec` None is auto.
+        `chunk_spec(rows)` names the kernel for a request cut into chunks of `rows`."""
+        m = x.shape[0]
+        step = self.max_rows
+        if m > step and spec is None:
+            spec = chunk_spec(step)
+        if spec is not None and spec.max_m is not None:
+            step = min(step, spec.max_m)
+        loop = asyncio.get_running_loop()
+        chunks = [Chunk(x[i:i + step], context, spec, loop.create_future()) for i in range(0, m, step)]
+        qkey = (key, spec.name if spec is not None else None)
+        self.queues.setdefault(qkey, deque()).extend(chunks)
+        if not self.busy:
+            self.busy = True
+            asyncio.create_task(self._pump())
+        answers: list[BatchAnswer] = [await c.future for c in chunks]
+        out = answers[0].output if len(answers) == 1 else np.concatenate([a.output for a in answers])
+        big = max(answers, key=lambda a: a.rows)
+        batch = {"requests": big.requests, "rows": big.rows}
+        if len(answers) > 1:
+            batch["chunks"] = len(answers)
+        return Answer(out, answers[-1].spec, answers[-1].result, batch, max(a.queue_ms for a in answers))
+
+    def _take(self) -> list[Chunk] | None:
+        """The next batch: round-robin over queues, up to max_rows rows (one chunk when batching is off)."""
+        while self.queues:
+            qkey, queue = next(iter(self.queues.items()))
+            self.queues.move_to_end(qkey)
+            if not queue:
+                del self.queues[qkey]
+                continue
+            taken = [queue.popleft()]
+            limit = self.max_rows
+            if taken[0].spec is not None and taken[0].spec.max_m is not None:
+                limit = min(limit, taken[0].spec.max_m)
+            rows = taken[0].rows.shape[0]
+            while self.batching and queue and rows + queue[0].rows.shape[0] <= limit:
+                rows += queue[0].rows.shape[0]
+                taken.append(queue.popleft())
+            if not queue:
+                del self.queues[qkey]
+            return taken
+        return None
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                batch = self._take()
+                if batch is None:
+                    return
+                await self._run(batch)
+                if self.batching and self.queues:
+                    await asyncio.sleep(self.wait_s)  # let the loop read requests that belong with the next batch
+        finally:
+            self.busy = False
+            if self.queues:  # a submit that came in while this pump was finishing
+                self.busy = True
+                asyncio.create_task(self._pump())
+
+    async def _run(self, batch: list[Chunk]) -> None:
+        started = time.perf_counter()
+        rows = sum(c.rows.shape[0] for c in batch)
+        try:
+            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch])
+        except Exception as exc:
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_exception(exc)
+            return
+        if self.observe is not None:
+            self.observe(len(batch), rows)
+        row = 0
+        for c in batch:
+            m = c.rows.shape[0]
+            if not c.future.done():  # a client that went away leaves a cancelled future
+                c.future.set_result(BatchAnswer(result.output[row:row + m], spec, result, len(batch), rows,
+                                                (started - c.enqueued) * 1e3))
+            row += m
+

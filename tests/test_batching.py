@@ -1,0 +1,178 @@
+"""Dynamic batching (app/scheduler.py): merging, fairness, chunks, and results equal to running alone."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.scheduler import Scheduler
+from kernels.cpu import Result
+from kernels.registry import KERNELS
+from tests.conftest import make_client
+
+SPEC = KERNELS["ref_q8_1"]
+
+
+class FakeDevice:
+    """run_batch for the scheduler: records each batch, takes `seconds`, answers row sums."""
+
+    def __init__(self, seconds: float = 0.01):
+        self.seconds, self.batches = seconds, []
+
+    async def __call__(self, context, spec, parts):
+        self.batches.append((context, [p.shape[0] for p in parts]))
+        await asyncio.sleep(self.seconds)
+        x = np.concatenate(parts)
+        return spec or SPEC, Result(x.sum(axis=1, keepdims=True), "cpu", "q8_1", {"gemm": 0.0})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_idle_device_starts_at_once_and_busy_arrivals_merge() -> None:
+    dev = FakeDevice()
+    sched = Scheduler(dev, max_rows=64, wait_us=100)
+
+    async def main():
+        first = asyncio.create_task(sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)  # the first starts alone while the device is idle
+        rest = [asyncio.create_task(sched.submit("t", "A", np.full((2, 4), i, np.float32), None, lambda r: SPEC))
+                for i in range(5)]
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = run(main())
+    assert dev.batches[0] == ("A", [1]) and first.batch == {"requests": 1, "rows": 1}
+    assert dev.batches[1] == ("A", [2, 2, 2, 2, 2])  # the five that waited ran as one product
+    for i, a in enumerate(rest):
+        assert a.batch == {"requests": 5, "rows": 10} and np.array_equal(a.output, np.full((2, 1), 4.0 * i))
+
+
+def test_batching_off_runs_one_request_at_a_time() -> None:
+    dev = FakeDevice()
+    sched = Scheduler(dev, max_rows=64, wait_us=0)
+
+    async def main():
+        return await asyncio.gather(*[sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC)
+                                      for _ in range(4)])
+
+    answers = run(main())
+    assert [b for _, b in dev.batches] == [[1]] * 4 and all(a.batch["requests"] == 1 for a in answers)
+
+
+def test_a_batch_holds_at_most_max_rows_and_a_kernels_own_limit() -> None:
+    dev = FakeDevice()
+    sched = Scheduler(dev, max_rows=5, wait_us=100)
+    gemv = KERNELS["gemv"]  # max_m = 8: an explicit kernel keeps its limit
+
+    async def main():
+        blocker = asyncio.create_task(sched.submit("b", "B", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)
+        waiting = [sched.submit("t", "A", np.ones((2, 4), np.float32), None, lambda r: SPEC) for _ in range(4)]
+        await asyncio.gather(blocker, *waiting)
+        sched.max_rows = 64
+        blocker = asyncio.create_task(sched.submit("b", "B", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)
+        await asyncio.gather(blocker, *[sched.submit("g", "G", np.ones((3, 4), np.float32), gemv, lambda r: gemv)
+                                        for _ in range(4)])
+
+    run(main())
+    rows = [sum(b) for ctx, b in dev.batches if ctx == "A"]
+    assert rows == [4, 4] and max(sum(b) for ctx, b in dev.batches if ctx == "G") <= 8
+
+
+def test_a_huge_request_is_cut_and_small_ones_run_between_its_chunks() -> None:
+    dev = FakeDevice(seconds=0.005)
+    sched = Scheduler(dev, max_rows=100, wait_us=100)
+
+    async def main():
+        huge = asyncio.create_task(sched.submit("h", "H", np.ones((1000, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0.001)
+        small = await sched.submit("s", "S", np.ones((1, 4), np.float32), None, lambda r: SPEC)
+        return await huge, small
+
+    huge, small = run(main())
+    assert huge.output.shape == (1000, 1) and huge.batch["chunks"] == 10
+    order = [ctx for ctx, _ in dev.batches]
+    assert order.index("S") <= 2, order  # served after at most two of the huge request's ten chunks
+
+
+def test_queues_of_different_tensors_take_turns() -> None:
+    dev = FakeDevice(seconds=0.002)
+    sched = Scheduler(dev, max_rows=2, wait_us=100)
+
+    async def main():
+        blocker = asyncio.create_task(sched.submit("z", "Z", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)
+        jobs = [sched.submit(t, t, np.ones((2, 4), np.float32), None, lambda r: SPEC) for t in "AAAABBBB"]
+        await asyncio.gather(blocker, *jobs)
+
+    run(main())
+    order = [ctx for ctx, _ in dev.batches][1:]
+    assert order == list("ABABABAB"), order
+
+
+def test_an_error_reaches_every_request_of_its_batch() -> None:
+    async def failing(context, spec, parts):
+        await asyncio.sleep(0.005)
+        raise RuntimeError("device fell over")
+
+    sched = Scheduler(failing, max_rows=64, wait_us=100)
+
+    async def main():
+        return await asyncio.gather(*[sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC)
+                                      for _ in range(3)], return_exceptions=True)
+
+    assert all(isinstance(r, RuntimeError) for r in run(main()))
+
+
+# -- through the API, on the CPU backend ----------------------------------------------------------------
+
+def _post_all(client, bodies: list[dict]) -> list:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: client.post("/v1/matmul", json=b), bodies))
+
+
+@pytest.mark.parametrize("wait_us", [100, 0])
+def test_concurrent_requests_equal_their_products_alone(models_dir: Path, rng: np.random.Generator,
+                                                        wait_us: int) -> None:
+    """16 clients at once on one tensor: each answer equals the same kernel on its rows alone, and with
+    batching on, some ran together (the reference is slow enough on the CPU for requests to queue)."""
+    xs = [rng.standard_normal((1 + i % 3, 4096)).astype(np.float32) for i in range(16)]
+    bodies = [{"model": "demo", "tensor": "blk.0.attn_q.weight", "kernel": "ref_q8_1", "activations": x.tolist()}
+              for x in xs]
+    with make_client(models_dir, batch_wait_us=wait_us) as c:
+        c.post("/v1/matmul", json=bodies[0])  # weights prepared once, outside the race
+        answers = _post_all(c, bodies)
+        alone = [c.post("/v1/matmul", json=b) for b in bodies]
+    sizes = []
+    for r, a in zip(answers, alone, strict=True):
+        assert r.status_code == 200 and a.status_code == 200, r.text
+        assert a.json()["batch"]["requests"] == 1
+        assert np.array_equal(np.array(r.json()["output"], np.float32), np.array(a.json()["output"], np.float32))
+        sizes.append(r.json()["batch"]["requests"])
+        assert r.headers["X-Qgemm-Batch"] == f"{r.json()['batch']['requests']},{r.json()['batch']['rows']}"
+    assert (max(sizes) > 1) == (wait_us > 0), sizes
+
+
+def test_a_request_over_the_batch_rows_is_cut_into_chunks(models_dir: Path, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    body = {"model": "demo", "tensor": "small.q4_0.weight", "activations": x.tolist()}
+    with make_client(models_dir, batch_max_rows=32) as c, make_client(models_dir) as whole:
+        r, w = c.post("/v1/matmul", json=body), whole.post("/v1/matmul", json=body)
+    assert r.json()["batch"] == {"requests": 1, "rows": 32, "chunks": 3}
+    assert np.array_equal(np.array(r.json()["output"]), np.array(w.json()["output"]))
+
+
+def test_metrics_count_requests_and_batches(client) -> None:
+    client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.5] * 64]})
+    client.get("/v1/models/nope")
+    text = client.get("/metrics").text
+    assert 'qgemm_http_requests_total{method="POST",route="/v1/matmul",status="200"}' in text
+    assert 'qgemm_http_requests_total{method="GET",route="/v1/models/{model_id}",status="404"}' in text
+    assert "qgemm_batch_rows_bucket" in text and "qgemm_queue_depth 0.0" in text
+    assert 'qgemm_http_request_seconds_bucket{le="0.005",route="/v1/matmul"}' in text
