@@ -33,6 +33,7 @@ class Engine:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.cpu = CpuBackend(settings.cpu_cache_bytes)
+        self._auto: dict[tuple[str, int, int, int], KernelSpec] = {}  # auto's pick per (type, M, N, K)
         self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qgemm-cpu")
         self.scheduler = Scheduler(self._run_batch, settings.batch_max_rows, settings.batch_wait_us)
         self.cuda: Any = None
@@ -101,11 +102,14 @@ class Engine:
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
         n, k = info.shape
         if kernel == "auto":
-            if self.cuda is not None:
-                spec = self.cuda.auto(info.type_name, m, n, k)
-                if spec is not None:
-                    return spec
-            return KERNELS["ref_q8_1"]
+            key = (info.type_name, m, n, k)
+            spec = self._auto.get(key)
+            if spec is None:
+                spec = (self.cuda.auto(info.type_name, m, n, k) if self.cuda is not None else None) \
+                    or KERNELS["ref_q8_1"]
+                if len(self._auto) < 65536:
+                    self._auto[key] = spec
+            return spec
         spec = self.kernel_named(kernel)
         reason = spec.can_run(info.type_name, m, n, k, self.cuda_cc)
         if reason is None and spec.backend == "cuda":

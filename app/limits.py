@@ -78,8 +78,13 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-def require_api_key(request: Request) -> None:
-    """Dependency of every /v1 route: `Authorization: Bearer <QGEMM_API_KEY>` when a key is set."""
+async def require_api_key(request: Request) -> None:
+    """Dependency of every /v1 route (async: a sync dependency costs a thread hop per request)."""
+    check_api_key(request)
+
+
+def check_api_key(request: Request) -> None:
+    """`Authorization: Bearer <QGEMM_API_KEY>` when a key is set."""
     key = request.app.state.settings.api_key
     if key is None:
         return

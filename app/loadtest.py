@@ -1,10 +1,11 @@
 """`qgemm loadtest`: drive a running server with concurrent clients and report what they saw.
 
-The clients are spread over several processes (each an asyncio loop of httpx connections, one per
-client, keep-alive), so that the load generator is not the bottleneck; every process sends the
-same prepared body bytes.  Reported: requests/s, client latency p50/p99/max, errors by status, the
-server's own `request` time (Server-Timing) and the GPU's share of the wall time (quantize + GEMM of
-each product, shared between the requests batched into it).
+The clients are spread over several processes, each an asyncio (uvloop) loop of keep-alive HTTP/1.1
+connections, one per client, that send one prepared request's bytes again and again and read each
+answer's head and body (`Connection`), so that the load generator is not the bottleneck.  Reported:
+requests/s, client latency p50/p99/max, errors by status, the server's own `request` time and its
+overhead (`request` minus the product's quantize + GEMM, from Server-Timing) and the GPU's share of
+the wall time (quantize + GEMM of each product, shared between the requests batched into it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -58,41 +60,85 @@ def _server_timing(header: str) -> dict[str, float]:
     return out
 
 
-async def _clients(plan: Plan, n: int, start_at: float, counter: Any) -> dict[str, Any]:
-    import httpx
+class Connection:
+    """One keep-alive HTTP/1.1 connection sending one prepared request over and over.  A load generator
+    has to cost less than the server it measures: httpx spends ~0.5 ms of Python per request, this ~0.05."""
 
+    def __init__(self, host: str, port: int, request: bytes):
+        self.host, self.port, self.request = host, port, request
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def send(self) -> tuple[int, dict[str, str]]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        assert self.reader is not None
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name:
+                headers[name.strip().lower()] = value.strip()
+        await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, headers
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+def _request_bytes(plan: Plan) -> tuple[str, int, bytes]:
     url, headers, body = _body(plan)
+    parts = urlsplit(url)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    head = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(body)}",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    return parts.hostname or "127.0.0.1", parts.port or 80, ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def _clients(plan: Plan, n: int, start_at: float, counter: Any) -> dict[str, Any]:
+    host, port, request = _request_bytes(plan)
     lat: list[float] = []
     server: list[float] = []
+    overhead: list[float] = []
     gpu = 0.0
     errors: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(limits=limits, timeout=120.0) as client:
-        async def one() -> None:
-            nonlocal gpu
-            while time.time() < start_at:
-                await asyncio.sleep(start_at - time.time())
-            end = start_at + plan.seconds
-            while time.time() < end:
-                t0 = time.perf_counter()
-                try:
-                    r = await client.post(url, content=body, headers=headers)
-                    status = str(r.status_code)
-                except Exception as exc:  # a dropped connection counts, it does not stop the run
-                    status = type(exc).__name__
-                    r = None
-                if r is not None and r.status_code == 200:
-                    lat.append(time.perf_counter() - t0)
-                    st = _server_timing(r.headers.get("server-timing", ""))
-                    server.append(st.get("request", 0.0))
-                    share = r.headers.get("x-qgemm-batch", "1,1").split(",")[0]
-                    gpu += (st.get("quantize", 0.0) + st.get("gemm", 0.0)) / max(int(share), 1)
-                else:
-                    errors[status] = errors.get(status, 0) + 1
-                with counter.get_lock():
-                    counter.value += 1
-        await asyncio.gather(*[one() for _ in range(n)])
-    return {"latency_s": lat, "server_ms": server, "gpu_ms": gpu, "errors": errors}
+
+    async def one() -> None:
+        nonlocal gpu
+        conn = Connection(host, port, request)
+        while time.time() < start_at:
+            await asyncio.sleep(start_at - time.time())
+        end = start_at + plan.seconds
+        while time.time() < end:
+            t0 = time.perf_counter()
+            try:
+                status, headers = await conn.send()
+            except Exception as exc:  # a dropped connection counts, and the next request reconnects
+                conn.close()
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                continue
+            if status == 200:
+                lat.append(time.perf_counter() - t0)
+                st = _server_timing(headers.get("server-timing", ""))
+                server.append(st.get("request", 0.0))
+                overhead.append(st.get("request", 0.0) - st.get("quantize", 0.0) - st.get("gemm", 0.0))
+                share = headers.get("x-qgemm-batch", "1,1").split(",")[0]
+                gpu += (st.get("quantize", 0.0) + st.get("gemm", 0.0)) / max(int(share), 1)
+            else:
+                errors[str(status)] = errors.get(str(status), 0) + 1
+            with counter.get_lock():
+                counter.value += 1
+        conn.close()
+
+    await asyncio.gather(*[one() for _ in range(n)])
+    return {"latency_s": lat, "server_ms": server, "overhead_ms": overhead, "gpu_ms": gpu, "errors": errors}
 
 
 def _process(plan: Plan, n: int, start_at: float, counter: Any, out: Any) -> None:
@@ -127,6 +173,7 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
         print(file=sys.stderr)
     lat = np.array([v for p in parts for v in p["latency_s"]]) * 1e3
     server = np.array([v for p in parts for v in p["server_ms"]])
+    overhead = np.array([v for p in parts for v in p["overhead_ms"]])
     errors: dict[str, int] = {}
     for p in parts:
         for k, v in p["errors"].items():
@@ -140,5 +187,5 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
             "tensor": plan.tensor, "seconds": plan.seconds, "processes": processes, "ok": ok,
             "errors": errors, "requests_per_s": round(ok / plan.seconds, 1),
             "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": round(float(lat.max()), 3) if ok else None,
-            "server_request_p50_ms": pct(server, 50),
+            "server_request_p50_ms": pct(server, 50), "server_overhead_p50_ms": pct(overhead, 50),
             "gpu_share": round(sum(p["gpu_ms"] for p in parts) / (plan.seconds * 1e3), 4)}

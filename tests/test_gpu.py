@@ -419,8 +419,9 @@ def test_concurrent_requests(gpu_client, gpu_models_dir: Path) -> None:
 @pytest.mark.parametrize("kernel", ["auto", "mmq", "gemv"])
 def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Path, kernel: str) -> None:
     """16 clients at once on one tensor (CUDA backend, batching on): each answer is exactly its rows of the
-    batch's product (that product re-run alone with the same kernel gives the same bits), each row meets the
-    reference's bound, and some requests did run together."""
+    batch's product, each row meets the reference's bound (the rows of a product are independent; split-K
+    kernels such as mmq at some M sum in an order that varies from run to run, so bits are compared with the
+    batch's own product, not with a re-run), and some requests did run together."""
     from tests.conftest import make_client
 
     name, k = "blk.0.attn_q.weight", 4096
@@ -448,11 +449,6 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
             answers = list(pool.map(post, xs))
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:2]
         assert max(r.json()["batch"]["requests"] for r in answers) > 1
-        info = next(t for t in c.app.state.store.get("demo").tensors.values() if t.name == name)
-        w = engine.weights(c.app.state.store.get("demo"), info)
-        for spec, parts, out in ran:
-            again = engine.cuda.run(spec, w, np.concatenate(parts)).output
-            assert np.array_equal(again, out), spec.name  # the batch is deterministic
         rows = {tuple(p[0, :4]): (out, sum(q.shape[0] for q in parts[:i]))
                 for spec, parts, out in ran for i, p in enumerate(parts)}
         for x, r in zip(xs, answers, strict=True):

@@ -13,6 +13,7 @@ from numpy.lib import format as npformat
 from pydantic import ValidationError
 
 from app.errors import ApiError
+from app.limits import check_api_key
 from app.openapi import errors
 from app.schemas import DEMO_K, DEMO_MODEL, DEMO_TENSOR, KERNEL_NAMES, MatmulRequest, MatmulResponse
 from models.store import NotFound
@@ -118,6 +119,19 @@ async def matmul(
 ) -> Response:
     """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor.  JSON body, or a .npy body with the
     model, tensor and kernel as query parameters; `Accept: application/x-npy` answers .npy."""
+    return await handle(request, model, tensor, kernel)
+
+
+async def fast_matmul(request: Request) -> Response:
+    """The same route served without FastAPI's per-request parameter and dependency solving, which
+    cost more than the product itself at M = 1 (docs/service.md, "Where the time goes"); app.main
+    puts it before the documented route above.  The query parameters are plain strings there too."""
+    check_api_key(request)
+    q = request.query_params
+    return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"))
+
+
+async def handle(request: Request, model: str | None, tensor: str | None, kernel: str) -> Response:
     t_request = time.perf_counter()
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
         request.app.state.engine.kernel_named(kernel)
