@@ -139,7 +139,8 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
                 rows.append({**row, "label": args.label} if args.label else row)
                 print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
                       f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
-                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {row['gpu_share']:.1%}", file=sys.stderr)
+                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {row['gpu_share']:.1%}",
+                      file=sys.stderr)
     text = json.dumps(rows, indent=1)
     if args.out:
         Path(args.out).write_text(text)
