@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +27,8 @@ from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, kno
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
+LOOP_ROWS = 64  # products up to this M on resident weights launch from the event loop (Engine._on_loop)
+POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
 
 
@@ -140,6 +143,20 @@ class Engine:
             raise ApiError(422, "non_finite", f"activations contain NaN or infinity (first at row {bad[0]}, "
                                               f"column {bad[1]})")
 
+    async def _on_loop(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray]) -> Result | None:
+        """A small product on resident weights, launched from the event loop (launches are asynchronous,
+        and a thread round trip costs more than the product) and awaited by polling its last event;
+        None if it could not launch (the worker thread then runs it, with its out-of-memory retry)."""
+        try:
+            pending = self.cuda.launch(spec, w, parts)
+        except Exception as exc:
+            log.debug("launch on the event loop failed (%s); the worker thread runs it", exc)
+            return None
+        done, t0 = self.cuda.events[4], time.perf_counter()
+        while not done.done:
+            await asyncio.sleep(0 if time.perf_counter() - t0 < POLL_SPIN_S else POLL_SLEEP_S)
+        return self.cuda.finish(pending)
+
     def weights(self, model: Model, info: TensorInfo) -> Weights:
         n, k = info.shape
         return Weights((model.version_key, info.name), info.type_name, n, k, lambda: model.raw(info.name))
@@ -184,6 +201,11 @@ class Engine:
             spec = self.choose("auto", info, sum(p.shape[0] for p in parts))
         w = self.weights(model, info)
         if spec.backend == "cuda":
+            rows = sum(p.shape[0] for p in parts)
+            if rows <= LOOP_ROWS and self.cuda.resident_for(spec, w):
+                result = await self._on_loop(spec, w, parts)
+                if result is not None:
+                    return spec, result
             future = self.cuda.submit(lambda: self.cuda.run_here(spec, w, parts))
         else:
             future = self._cpu_worker.submit(

@@ -96,10 +96,18 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         chunks = [Chunk(x[i:i + step], context, spec, loop.create_future()) for i in range(0, m, step)]
         qkey = (key, spec.name if spec is not None else None)
-        self.queues.setdefault(qkey, deque()).extend(chunks)
-        if not self.busy:
+        if not self.busy and len(chunks) == 1 and not self.queues:
+            # the device is idle and nobody waits: run in this coroutine (no task, no queue)
             self.busy = True
-            asyncio.create_task(self._pump())
+            try:
+                await self._run(chunks)
+            finally:
+                self._handoff()
+        else:
+            self.queues.setdefault(qkey, deque()).extend(chunks)
+            if not self.busy:
+                self.busy = True
+                asyncio.create_task(self._pump())
         answers: list[BatchAnswer] = [await c.future for c in chunks]
         out = answers[0].output if len(answers) == 1 else np.concatenate([a.output for a in answers])
         big = max(answers, key=lambda a: a.rows)
@@ -139,10 +147,14 @@ class Scheduler:
                 if self.batching and self.queues:
                     await asyncio.sleep(self.wait_s)  # let the loop read requests that belong with the next batch
         finally:
-            self.busy = False
-            if self.queues:  # a submit that came in while this pump was finishing
-                self.busy = True
-                asyncio.create_task(self._pump())
+            self._handoff()
+
+    def _handoff(self) -> None:
+        """The device is free: a pump for what queued meanwhile, or idle."""
+        self.busy = False
+        if self.queues:
+            self.busy = True
+            asyncio.create_task(self._pump())
 
     async def _run(self, batch: list[Chunk]) -> None:
         started = time.perf_counter()

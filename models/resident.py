@@ -40,6 +40,10 @@ class ResidentWeights:
     def budget(self) -> int:
         return self.lru.budget
 
+    def has(self, key: Hashable, layout: str) -> bool:
+        with self._lock:
+            return self.lru.get((key, layout)) is not None
+
     def get(self, key: Hashable, layout: str, nbytes: int, make: Callable[[], Layout]) -> tuple[Layout, float]:
         """The layout's arrays, uploading them first if absent; and the upload time in ms (0 on a hit)."""
         import cupy

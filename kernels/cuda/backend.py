@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import cupy
@@ -50,6 +51,17 @@ class Staging:
             mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1 << 16, 2 * (mem.size() if mem else 0)))
             self._mem[name] = mem
         return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+
+@dataclass
+class Pending:
+    """A product enqueued by `CudaBackend.launch`, waiting for its last event."""
+    spec: KernelSpec
+    m: int
+    k: int
+    y_h: np.ndarray
+    acts: Any
+    weights_ms: float
 
 
 def cuda_device_present() -> bool:
@@ -187,6 +199,13 @@ class CudaBackend:
 
     def _run(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool,
              keep_q8_1: bool) -> Result:
+        pending = self.launch(spec, w, parts, poison)
+        self.events[4].synchronize()  # the one synchronization of a product (or a batch)
+        return self.finish(pending, keep_q8_1)
+
+    def launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool = False) -> Pending:
+        """Enqueue a product on the stream (copies in, quantize, GEMM, copy out) and return at once;
+        `events[4]` completes with it.  One product at a time: the staging buffers are its own."""
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
         x_h = self.staging.array("x", (m, k), np.float32)
         row = 0
@@ -220,15 +239,24 @@ class CudaBackend:
             ev[3].record(s)
             y_d.get(stream=s, out=y_h, blocking=False)
             ev[4].record(s)
-            ev[4].synchronize()  # the one synchronization of a product (or a batch)
-            q8_1 = None
-            if keep_q8_1 and spec.activation_format == "q8_1":
-                q8_1 = launch.q8_1_to_host(acts, m, k)
-        y = y_h.copy()  # the staging buffer is the next product's
+        return Pending(spec, m, k, y_h, acts, weights_ms)
+
+    def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
+        """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
+        ev = self.events
+        q8_1 = None
+        if keep_q8_1 and pending.spec.activation_format == "q8_1":
+            with self.stream:
+                q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k)
+        y = pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
-        timing = {"weights": weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
-                  "total": weights_ms + sum(t)}
-        return Result(y, self.name, spec.activation_format, timing, q8_1)
+        timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
+                  "total": pending.weights_ms + sum(t)}
+        return Result(y, self.name, pending.spec.activation_format, timing, q8_1)
+
+    def resident_for(self, spec: KernelSpec, w: Weights) -> bool:
+        """Whether this product's weights are on the GPU already (then launching it costs microseconds)."""
+        return self.resident.has(w.key, spec.weight_layout)
 
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
         """The device's Q8_1 of x in an activation layout ("blocks", "split" or "mmq"; for tests)."""
