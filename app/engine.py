@@ -27,7 +27,9 @@ from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, kno
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
-LOOP_ROWS = 64  # products up to this M on resident weights launch from the event loop (Engine._on_loop)
+# A lone product (nothing queued) up to this M on resident weights launches from the event loop (Engine._on_loop):
+# no thread round trip.  Under load the worker thread runs batches while the loop reads requests.
+LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
 
@@ -194,15 +196,16 @@ class Engine:
         return answer
 
     async def _run_batch(self, context: tuple[Model, TensorInfo], spec: KernelSpec | None,
-                         parts: list[np.ndarray]) -> tuple[KernelSpec, Result]:
-        """One product of stacked rows on the backend's own worker thread (never the event loop)."""
+                         parts: list[np.ndarray], alone: bool = False) -> tuple[KernelSpec, Result]:
+        """One product of stacked rows: on the backend's worker thread, so that the event loop takes in
+        requests meanwhile; a lone small product on resident weights from the event loop itself."""
         model, info = context
         if spec is None:
             spec = self.choose("auto", info, sum(p.shape[0] for p in parts))
         w = self.weights(model, info)
         if spec.backend == "cuda":
             rows = sum(p.shape[0] for p in parts)
-            if rows <= LOOP_ROWS and self.cuda.resident_for(spec, w):
+            if alone and rows <= LOOP_ROWS and self.cuda.resident_for(spec, w):
                 result = await self._on_loop(spec, w, parts)
                 if result is not None:
                     return spec, result

@@ -63,14 +63,15 @@ class Answer:
     queue_ms: float
 
 
-RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray]], Awaitable[tuple[KernelSpec, Result]]]
+RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool], Awaitable[tuple[KernelSpec, Result]]]
 
 
 class Scheduler:
     def __init__(self, run_batch: RunBatch, max_rows: int, wait_us: int,
                  observe: Callable[[int, int], None] | None = None):
-        """`run_batch(context, spec, parts)` runs the product of the stacked parts on the device and
-        returns (the spec that ran, its Result); `observe(requests, rows)` sees each batch."""
+        """`run_batch(context, spec, parts, alone)` runs the product of the stacked parts on the device and
+        returns (the spec that ran, its Result); `alone`: nothing else waits (the backend may then take
+        its lowest-latency path); `observe(requests, rows)` sees each batch."""
         self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
         self.observe = observe
         self.queues: OrderedDict[Hashable, deque[Chunk]] = OrderedDict()
@@ -100,7 +101,7 @@ class Scheduler:
             # the device is idle and nobody waits: run in this coroutine (no task, no queue)
             self.busy = True
             try:
-                await self._run(chunks)
+                await self._run(chunks, alone=True)
             finally:
                 self._handoff()
         else:
@@ -156,11 +157,11 @@ class Scheduler:
             self.busy = True
             asyncio.create_task(self._pump())
 
-    async def _run(self, batch: list[Chunk]) -> None:
+    async def _run(self, batch: list[Chunk], alone: bool = False) -> None:
         started = time.perf_counter()
         rows = sum(c.rows.shape[0] for c in batch)
         try:
-            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch])
+            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch], alone)
         except Exception as exc:
             for c in batch:
                 if not c.future.done():

@@ -23,7 +23,7 @@ class FakeDevice:
     def __init__(self, seconds: float = 0.01):
         self.seconds, self.batches = seconds, []
 
-    async def __call__(self, context, spec, parts):
+    async def __call__(self, context, spec, parts, alone=False):
         self.batches.append((context, [p.shape[0] for p in parts]))
         await asyncio.sleep(self.seconds)
         x = np.concatenate(parts)
@@ -117,7 +117,7 @@ def test_queues_of_different_tensors_take_turns() -> None:
 
 
 def test_an_error_reaches_every_request_of_its_batch() -> None:
-    async def failing(context, spec, parts):
+    async def failing(context, spec, parts, alone=False):
         await asyncio.sleep(0.005)
         raise RuntimeError("device fell over")
 

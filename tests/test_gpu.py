@@ -8,6 +8,7 @@ Outputs are poisoned (NaN) before each run.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import itertools
@@ -430,8 +431,10 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
         ran: list[tuple[object, list[np.ndarray], np.ndarray]] = []
         run_batch = engine.scheduler.run_batch
 
-        async def recording(context, spec, parts):
-            spec_ran, result = await run_batch(context, spec, parts)
+        async def recording(context, spec, parts, alone=False):
+            if alone:  # hold the device a little, so that the others queue behind it and batch
+                await asyncio.sleep(0.05)
+            spec_ran, result = await run_batch(context, spec, parts, alone)
             ran.append((spec_ran, [p.copy() for p in parts], result.output.copy()))
             return spec_ran, result
 
