@@ -105,10 +105,11 @@ class Q8_1Overflow:
                 f"{self.quantity} {self.value:.6g} overflows half precision (needs {limit})")
 
 
-def q8_1_overflow(x: np.ndarray, uses_sum: bool) -> Q8_1Overflow | None:
-    """Where `quantize_q8_1(x)` would store an infinite d (or s, when the weights' format reads it)."""
+def q8_1_overflow(x: np.ndarray, uses_sum: bool, amax: float | None = None) -> Q8_1Overflow | None:
+    """Where `quantize_q8_1(x)` would store an infinite d (or s, when the weights' format reads it);
+    `amax`: max|x| when the caller knows it already."""
     x = np.asarray(x, dtype=np.float32)
-    amax_all = float(np.abs(x).max(initial=0.0))
+    amax_all = float(np.abs(x).max(initial=0.0)) if amax is None else amax
     if amax_all * QK < HALF_INF * 0.99:  # neither d nor any block's sum can reach it: the common case, one pass
         return None
     m, k = x.shape

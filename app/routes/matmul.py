@@ -168,9 +168,11 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
                "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}"}
     if NPY in (request.headers.get("accept") or "").lower():
-        y = np.ascontiguousarray(y, dtype=np.float32)
-        content, media = NPY_HEADERS.get(y.shape) or _npy_header(y.shape), NPY
-        content += y.tobytes()
+        header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
+        buf = bytearray(len(header) + y.size * 4)  # header and data written once, sent as they are
+        buf[:len(header)] = header
+        np.frombuffer(buf, np.float32, y.size, len(header)).reshape(y.shape)[...] = y
+        content, media = memoryview(buf), NPY
     else:
         content, media = orjson.dumps({
             "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.spec.name,
