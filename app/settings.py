@@ -29,7 +29,7 @@ class Settings(BaseModel):
     log_level: str = "info"
     batch_max_rows: int = Field(512, gt=0)  # rows of one batched product; longer requests are cut into chunks
     batch_wait_us: int = Field(100, ge=0)  # after a batch, when others queue: time to take in more; 0: no batching
-    gil_switch_us: int | None = Field(None, gt=0)  # Python's thread switch interval (default 5000): the loop vs the GPU thread
+    gil_switch_us: int | None = Field(None, gt=0)  # Python thread switch interval (its default: 5000 µs)
     access_log: bool = False  # uvicorn's line per request (off: it costs more than a small product)
     dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
