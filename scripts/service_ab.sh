@@ -19,3 +19,4 @@ for side in A B; do
     | grep -E "req/s|^M="
   kill $server; wait $server 2>/dev/null
 done
+exit 0
