@@ -50,7 +50,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             engine.close()
 
+    # telemetry off: the service exports Prometheus metrics (/metrics), and FastAPI's OpenTelemetry
+    # check of its providers cost ~60 µs on every request (profiled, docs/service.md)
     app = FastAPI(title="qgemm", version=__version__, lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Inspect GGUF models and multiply their quantized weights the way llama.cpp does.")
     app.state.settings = settings
     metrics = Metrics()
