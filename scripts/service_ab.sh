@@ -2,6 +2,8 @@
 # On the GPU machine: the same load against two servers started with different settings, in one
 # machine session (service figures differ between machines of one kind by up to 2x, so compare here).
 #   usage: scripts/service_ab.sh "ENV=A ..." "ENV=B ..." [loadtest args...]
+# Two code versions instead: extract the old one (git archive REV | tar -x -C .ab/old, .ab git-ignored
+# in .git/info/exclude), carry .ab, and start side A's server from .ab/old (docs/service.md, attempt 7).
 set -uo pipefail
 a=$1; b=$2; shift 2
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
