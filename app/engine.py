@@ -24,7 +24,7 @@ from kernels.cpu import CpuBackend, Result, Weights
 from kernels.errors import DeviceOutOfMemory
 from kernels.formats import format_of
 from kernels.reference import q8_1_overflow
-from kernels.registry import AUTO_DESCRIPTION, KERNELS, WEIGHTS, KernelSpec, known_names
+from kernels.registry import AUTO_DESCRIPTION, CPU_REFERENCE, KERNELS, WEIGHTS, KernelSpec, known_names, llama_formula
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
@@ -112,7 +112,7 @@ class Engine:
             spec = self._auto.get(key)
             if spec is None:
                 spec = (self.cuda.auto(info.type_name, m, n, k) if self.cuda is not None else None) \
-                    or KERNELS["ref_q8_1"]
+                    or KERNELS[CPU_REFERENCE[llama_formula(m)]]
                 if len(self._auto) < 65536:
                     self._auto[key] = spec
             return spec
@@ -176,7 +176,7 @@ class Engine:
                 raise ApiError(422, "non_finite", f"activations contain NaN or infinity (first at row {bad[0][0]}, "
                                                   f"column {bad[0][1]})")
             raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
-        if kernel == "auto" or spec.activation_format == "q8_1":  # auto may pick a Q8_1 kernel at any batch M
+        if kernel == "auto" or spec.quantizes:  # auto may pick a Q8_1 kernel at any batch M
             fmt = format_of(info.type_name)
             overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum, amax=amax)
             if overflow is not None:

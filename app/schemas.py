@@ -108,10 +108,18 @@ class TensorDetail(TensorRow):
     stats_error: str | None = None
 
 
+ACTIVATION_FORMAT_DOC = (
+    "the formula the kernel computes: q8_1_mmvq is llama.cpp's MMVQ (its path for M <= 8: Q8_1 activations "
+    "with half2 (d, s), unsigned weights and the sum term), q8_1_mmq its MMQ on tensor cores (M > 8: signed "
+    "weights, no sum term, d_a kept in float for Q8_0 and as a half for Q4_0); f32 / f16: a float product of "
+    "dequantized weights")
+
+
 class KernelInfo(BaseModel):
     name: str
     weight_types: list[str]
-    activation_format: Literal["q8_1", "f32", "f16", "auto"]
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "auto"] = Field(
+        description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda", "auto"]
     available: bool
     reason: str | None
@@ -124,9 +132,10 @@ class KernelList(BaseModel):
 
 ACTIVATIONS_DOC = (
     "X as M rows of K numbers, K the tensor's second dimension; M ≤ QGEMM_MAX_ROWS. Kernels that quantize "
-    "X to Q8_1 (activation_format q8_1) need each 32-value block's scale max|x|/127 and, for formats with an "
-    "offset or minimum (Q4_0), its sum Σx to fit in half precision (|x| ≤ 8.32e6, |Σx| < 65520), else 422 "
-    "`activation_out_of_range`; a product that overflows float32 is 422 `product_out_of_range`.")
+    "X to Q8_1 (activation_format q8_1_mmvq or q8_1_mmq) need each 32-value block's scale max|x|/127 and, "
+    "for formats with an offset or minimum (Q4_0), its sum Σx to fit in half precision (|x| ≤ 8.32e6, "
+    "|Σx| < 65520), else 422 `activation_out_of_range`; a product that overflows float32 is 422 "
+    "`product_out_of_range`.")
 
 
 class MatmulRequest(BaseModel):
@@ -153,7 +162,7 @@ class MatmulResponse(BaseModel):
     model: str
     tensor: str
     kernel: str
-    activation_format: Literal["q8_1", "f32", "f16"]
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16"] = Field(description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
     batch: BatchInfo

@@ -117,7 +117,7 @@ def activation_step(mods: Any, spec: Any, x: Any) -> Callable[[], Any]:
     from kernels.cuda import launch
 
     m, k = x.shape
-    if spec.activation_format == "q8_1":
+    if spec.quantizes:
         acts = launch.q8_1_buffers(spec.activation_layout, m, k)
 
         def quantize() -> Any:

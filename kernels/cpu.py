@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels import reference
+from kernels.formats import mmq_ds_layout
 from models.cache import ByteLRU
 
 
@@ -55,17 +56,18 @@ class CpuBackend:
 
     def run(self, kernel: str, w: Weights, x: np.ndarray) -> Result:
         t_all = time.perf_counter()
-        if kernel == "ref_q8_1":
+        if kernel in ("ref_q8_1", "ref_mmq"):
             bw, prep = self._prepared(w, "blocks", lambda raw: reference.prepare_block_weights(w.type_name, raw),
                                       lambda v: v.nbytes)  # type: ignore[attr-defined]
+            mmq = kernel == "ref_mmq"
             t0 = time.perf_counter()
-            a = reference.quantize_q8_1(x)
+            a = reference.quantize_q8_1_mmq(x, mmq_ds_layout(w.type_name)) if mmq else reference.quantize_q8_1(x)
             tq = _ms(t0)
             t0 = time.perf_counter()
-            y = reference.ref_q8_1(bw, a)  # type: ignore[arg-type]
+            y = (reference.ref_mmq if mmq else reference.ref_q8_1)(bw, a)  # type: ignore[arg-type]
             tg = _ms(t0)
             timing = {"weights": prep, "quantize": tq, "gemm": tg}
-            res = Result(y, self.name, "q8_1", timing, a)
+            res = Result(y, self.name, "q8_1_mmq" if mmq else "q8_1_mmvq", timing, a)
         elif kernel == "ref_f32":
             wf, prep = self._prepared(w, "f32", lambda raw: reference.dequantize_weights(w.type_name, raw),
                                       lambda v: v.nbytes)  # type: ignore[attr-defined]

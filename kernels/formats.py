@@ -23,6 +23,9 @@ class BlockFormat:
     matmul: bool  # weights of this type can be multiplied
     layout: str   # one line: what a block holds
     offset: int = 0  # unsigned quants: x = d*(q - offset); llama.cpp's dot with Q8_1 takes it back as offset*s_a
+    # the activation-scale layout llama.cpp's MMQ (tensor cores, mmq.cuh) quantizes X into for these weights:
+    # "D4" keeps each block's d_a in float, "DS4" stores (d_a, s_a) as half2 (its formula reads d_a as a half)
+    mmq_ds_layout: str = ""
 
     @property
     def uses_activation_sum(self) -> bool:
@@ -33,17 +36,19 @@ class BlockFormat:
         return k // self.block_values * self.block_bytes
 
 
-def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None, offset: int = 0) -> BlockFormat:
+def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None, offset: int = 0,
+         mmq_ds_layout: str = "") -> BlockFormat:
     values, table_bytes = GGML_QUANT_SIZES[t]
-    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout, offset)
+    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout, offset, mmq_ds_layout)
 
 
 FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     f.ggml_type: f
     for f in (
         _fmt(GGMLQuantizationType.Q4_0, True,
-             "half d; 16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high); x = d*(q-8)", offset=8),
-        _fmt(GGMLQuantizationType.Q8_0, True, "half d; 32 int8 q; x = d*q"),
+             "half d; 16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high); x = d*(q-8)", offset=8,
+             mmq_ds_layout="DS4"),
+        _fmt(GGMLQuantizationType.Q8_0, True, "half d; 32 int8 q; x = d*q", mmq_ds_layout="D4"),
         _fmt(GGMLQuantizationType.Q8_1, False,
              "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
              nbytes=36),  # llama.cpp's CUDA block_q8_1; gguf-py's table lists an older 40-byte one
@@ -54,6 +59,14 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
 }
 
 MATMUL_TYPES: frozenset[str] = frozenset(f.name for f in FORMATS.values() if f.matmul)
+
+
+def mmq_ds_layout(type_name: str) -> str:
+    """The MMQ activation-scale layout for weights of this type ("D4" or "DS4")."""
+    fmt = format_of(type_name)
+    if fmt is None or not fmt.mmq_ds_layout:
+        raise ValueError(f"llama.cpp's MMQ has no formula for {type_name} here")
+    return fmt.mmq_ds_layout
 
 
 def format_of(type_name: str) -> BlockFormat | None:

@@ -1,13 +1,23 @@
 """The numpy reference: llama.cpp's CUDA math, element for element.
 
-* `quantize_q8_1` is llama.cpp's `quantize_q8_1` kernel: per block of 32, d = amax/127 in fp32,
-  q = roundf(x/d) (half away from zero), ds = half2(d, sum x).  The sum is taken in the same
-  butterfly order as the warp reduction (`__shfl_xor_sync` with offsets 16, 8, 4, 2, 1), so the
-  GPU kernel that reduces the same way matches it bit for bit.
-* `ref_q8_1` is `vec_dot_q4_0_q8_1` / `vec_dot_q8_0_q8_1`: an exact integer dot per block, then
-  the block scales in fp32, using the *half* values of d and s as the device does:
-      Q4_0: d_w * (d_a * sumi - 8 * s_a)     (q_w in 0..15)
-      Q8_0: d_w * d_a * sumi
+llama.cpp's CUDA backend multiplies quantized weights by one of two formulas, chosen by the batch
+size M (on an sm_90 GPU: MMVQ for M <= 8, MMQ above; `registry.llama_formula`):
+
+* MMVQ (`mmvq.cu`, `vecdotq.cuh`), formula `q8_1_mmvq`:
+  - `quantize_q8_1` is its `quantize_q8_1` kernel: per block of 32, d = amax/127 in fp32,
+    q = roundf(x/d) (half away from zero), ds = half2(d, sum x).  The sum is taken in the same
+    butterfly order as the warp reduction (`__shfl_xor_sync` with offsets 16, 8, 4, 2, 1), so the
+    GPU kernel that reduces the same way matches it bit for bit.
+  - `ref_q8_1` is `vec_dot_q4_0_q8_1` / `vec_dot_q8_0_q8_1`: an exact integer dot per block, then
+    the block scales in fp32, using the *half* values of d and s as the device does:
+        Q4_0: d_w * (d_a * sumi - 8 * s_a)     (q_w in 0..15)
+        Q8_0: d_w * d_a * sumi
+* MMQ on int8 tensor cores (`mmq.cuh`, `mmq-load-tiles.cuh`), formula `q8_1_mmq`:
+  - `quantize_q8_1_mmq` is its `quantize_mmq_q8_1`: d_inv = 127/amax, q = roundf(x*d_inv),
+    d = 1/d_inv, kept in float (layout D4: Q8_0) or stored as a half (DS4: Q4_0), per the format
+    table's `mmq_ds_layout`;
+  - `ref_mmq` is `vec_dot_q8_0_q8_1_mma` over weights unpacked to signed int8 (Q4_0: q - 8):
+    sumi * d_w * d_a per block, no sum term.
 * `ref_f32` dequantizes the weights with `gguf.quants.dequantize` and keeps activations in fp32.
 
 It is the ground truth for the GPU kernels and the serving backend where there is no GPU: all
@@ -29,7 +39,7 @@ assert Q8_1_BLOCK.itemsize == FORMATS[GGMLQuantizationType.Q8_1].block_bytes
 
 @dataclass(frozen=True)
 class Q8_1:
-    """Q8_1 activations: q int8 [M, K], d and s float16 [M, K/32]."""
+    """Q8_1 activations: q int8 [M, K], d and s [M, K/32]: float16, except MMQ's D4 layout (d float32)."""
 
     q: np.ndarray
     d: np.ndarray
@@ -85,6 +95,30 @@ def quantize_q8_1(x: np.ndarray) -> Q8_1:
     q = np.where(amax[..., None] == 0, 0, roundf(v)).astype(np.int8)
     with np.errstate(over="ignore"):  # an infinite half s, as the device stores it (formats without an s term)
         return Q8_1(q.reshape(m, k), d.astype(np.float16), warp_sum(xb).astype(np.float16))
+
+
+def quantize_q8_1_mmq(x: np.ndarray, ds_layout: str) -> Q8_1:
+    """llama.cpp's `quantize_mmq_q8_1` (the activations of its MMQ path): d_inv = 127/amax and
+    q = roundf(x*d_inv) in fp32, d = 1/d_inv; D4 keeps d in float32, DS4 stores it as a half with the
+    block's sum (four values a thread added in order, then a butterfly over the block's 8 threads)."""
+    if ds_layout not in ("D4", "DS4"):
+        raise ValueError(f"no MMQ activation layout {ds_layout!r}")
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    xb = x.reshape(m, k // QK, QK)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        d_inv = np.float32(127) / amax  # inf for an all-zero block: its q are 0 and d = 1/inf = 0
+        v = xb * d_inv[..., None]
+        d = np.float32(1) / d_inv
+    q = np.where(amax[..., None] == 0, 0, roundf(v)).astype(np.int8)
+    fours = xb.reshape(m, k // QK, 8, 4)
+    s = ((fours[..., 0] + fours[..., 1]) + fours[..., 2]) + fours[..., 3]  # float32, as the thread adds
+    with np.errstate(over="ignore"):
+        s = warp_sum(s).astype(np.float16)
+        return Q8_1(q.reshape(m, k), d.astype(np.float16) if ds_layout == "DS4" else d.astype(np.float32), s)
 
 
 HALF_INF = 65520.0  # float16 rounds every |v| >= this to infinity (65504 is its largest finite value)
@@ -177,8 +211,9 @@ def dequantize_weights(type_name: str, raw: np.ndarray) -> np.ndarray:
     return quants.dequantize(np.asarray(raw), GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
 
 
-def _block_dots(w: BlockWeights, a: Q8_1, chunk: int):
-    """Yield (sumi, d_a, s_a, d_w) for chunks of quant blocks: sumi [c, M, N] exact integers in fp32."""
+def _block_dots(w: BlockWeights, a: Q8_1, chunk: int, signed: bool = False):
+    """Yield (sumi, d_a, s_a, d_w) for chunks of quant blocks: sumi [c, M, N] exact integers in fp32;
+    `signed`: against the weights' signed values q - offset (MMQ's tiles), else their stored q."""
     m, k = a.shape
     kb_total, _, n = w.q.shape
     if k != kb_total * QK:
@@ -188,10 +223,13 @@ def _block_dots(w: BlockWeights, a: Q8_1, chunk: int):
     qa = a.q.reshape(m, kb_total, QK).transpose(1, 0, 2).astype(np.float32)  # [KB, M, 32]
     da = a.d.astype(np.float32).T  # [KB, M]
     sa = a.s.astype(np.float32).T
+    c = np.float32(_offset(w.type_name)) if signed else np.float32(0)
     for k0 in range(0, kb_total, chunk):
         k1 = min(k0 + chunk, kb_total)
-        yield (np.matmul(qa[k0:k1], w.q[k0:k1]), da[k0:k1, :, None], sa[k0:k1, :, None],  # |sum| < 2^24: exact
-               w.d[k0:k1, None, :])
+        sumi = np.matmul(qa[k0:k1], w.q[k0:k1])  # |sum| < 2^24: exact
+        if c:  # Σ q_a (q_w - c) = Σ q_a q_w - c Σ q_a, exact integers too
+            sumi -= c * qa[k0:k1].sum(axis=-1)[..., None]
+        yield sumi, da[k0:k1, :, None], sa[k0:k1, :, None], w.d[k0:k1, None, :]
 
 
 def _offset(type_name: str) -> int:
@@ -211,6 +249,17 @@ def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
             sumi *= dw
         else:
             sumi *= dw * da
+        acc += sumi.sum(axis=0, dtype=np.float32)
+    return acc
+
+
+def ref_mmq(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
+    """Y[M, N] by llama.cpp's MMQ formula: Σ_blocks sumi * d_w * d_a over signed weights, no sum term;
+    `a` from `quantize_q8_1_mmq` with the weights' `mmq_ds_layout`."""
+    acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
+    for sumi, da, _, dw in _block_dots(w, a, chunk, signed=True):
+        sumi *= dw
+        sumi *= da
         acc += sumi.sum(axis=0, dtype=np.float32)
     return acc
 
@@ -243,6 +292,14 @@ def ref_q8_1_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
             s_ulp += (c * ulp * adw).sum(axis=0)
     kb = w.q.shape[0]
     return Terms(mag, kb * (2 if c else 1), s_ulp if c else None)
+
+
+def ref_mmq_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
+    """The terms of `ref_mmq`: |sumi * d_w * d_a| per block."""
+    mag = np.zeros((a.shape[0], w.q.shape[2]))
+    for sumi, da, _, dw in _block_dots(w, a, chunk, signed=True):
+        mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * np.abs(dw.astype(np.float64))).sum(0)
+    return Terms(mag, w.q.shape[0])
 
 
 def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -20,7 +20,9 @@ class KernelSpec:
     name: str
     backend: Backend
     weight_types: tuple[str, ...]
-    activation_format: Literal["q8_1", "f32", "f16"]
+    # the formula it computes: llama.cpp's MMVQ (`q8_1_mmvq`) or MMQ (`q8_1_mmq`) on Q8_1 activations
+    # (reference.py says what each is), or a float product of dequantized weights (`f32`, `f16` activations)
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16"]
     description: str
     min_cc: int = 0  # compute capability as major*10+minor; 0 for the CPU
     max_cc: int | None = None  # for architecture-specific instructions (sm_90a's wgmma exists on 9.0 only)
@@ -29,6 +31,11 @@ class KernelSpec:
     weight_layout: str = "gguf"  # the layout its weights are uploaded in (cached per layout)
     # Q8_1 as block_q8_1 records, "split" (int8 rows + half2 scales) or "mmq" (int8 rows + scales as mmq reads them)
     activation_layout: str = "blocks"
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether it quantizes the activations to Q8_1 (either of llama.cpp's formulas)."""
+        return self.activation_format.startswith("q8_1")
 
     def shape_reason(self, type_name: str, m: int, n: int, k: int) -> str | None:
         if type_name not in self.weight_types:
@@ -59,16 +66,33 @@ class KernelSpec:
 
 
 WEIGHTS = ("Q4_0", "Q8_0")
+MMVQ_MAX_BATCH = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE: above it, MMQ (ggml_cuda_mul_mat, sm_90)
 
-AUTO_DESCRIPTION = ("picks the fastest correct kernel for the weight type and shape: on a GPU from the "
-                    "tuned table (kernels/tuning), on the CPU the llama.cpp-exact reference")
+
+def llama_formula(m: int) -> str:
+    """The formula llama.cpp's CUDA backend computes quantized weights with at batch size M on an sm_90
+    GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): MMVQ up to 8 rows, MMQ above."""
+    return "q8_1_mmvq" if m <= MMVQ_MAX_BATCH else "q8_1_mmq"
+
+
+CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq"}  # the CPU kernel of each formula
+
+
+AUTO_DESCRIPTION = ("llama.cpp's own choice of formula for the batch's M (MMVQ for M <= 8, MMQ above, as on an "
+                    "sm_90 GPU) and, among the kernels computing it, the fastest: on a GPU from the tuned table "
+                    "(kernels/tuning), on the CPU the reference of that formula")
 
 KERNELS: dict[str, KernelSpec] = {
     s.name: s
     for s in (
-        KernelSpec("ref_q8_1", "cpu", WEIGHTS, "q8_1",
-                   "numpy reference on the CPU: activations to Q8_1, integer block dots, llama.cpp's "
-                   "d_w*(d_a*sumi - 8*s_a) / d_w*d_a*sumi epilogue"),
+        KernelSpec("ref_q8_1", "cpu", WEIGHTS, "q8_1_mmvq",
+                   "numpy reference on the CPU of llama.cpp's MMVQ formula (its path for M <= 8): activations to "
+                   "Q8_1 with half2 (d, s), integer block dots over the stored quants, d_w*(d_a*sumi - 8*s_a) (Q4_0) "
+                   "/ d_w*d_a*sumi (Q8_0)"),
+        KernelSpec("ref_mmq", "cpu", WEIGHTS, "q8_1_mmq",
+                   "numpy reference on the CPU of llama.cpp's MMQ formula (its tensor-core path for M > 8): "
+                   "activations to Q8_1 as quantize_mmq_q8_1 does (d float for Q8_0, half for Q4_0), weights as "
+                   "signed int8 (Q4_0: q-8), sumi*d_w*d_a per block, no sum term"),
         KernelSpec("ref_f32", "cpu", WEIGHTS, "f32",
                    "numpy on the CPU: weights dequantized with gguf.quants, fp32 activations, fp32 GEMM"),
     )
@@ -81,14 +105,14 @@ def _cuda(name: str, fmt: str, layout: str, description: str, min_cc: int = 52, 
 
 
 for _spec in (
-    _cuda("naive", "q8_1", "gguf", "one thread per output on GGUF blocks, scalar int8 products, the per-block "
+    _cuda("naive", "q8_1_mmvq", "gguf", "one thread per output on GGUF blocks, scalar int8 products, the per-block "
           "compensation epilogue"),
-    _cuda("tiled", "q8_1", "gguf", "16x16 output tiles; activation and weight blocks staged in shared memory "
+    _cuda("tiled", "q8_1_mmvq", "gguf", "16x16 output tiles; activation and weight blocks staged in shared memory "
           "(weights unpacked to int8), scalar products"),
-    _cuda("dp4a", "q8_1", "gguf", "one thread per output, __dp4a on packed int8 words", min_cc=61),
-    _cuda("tiled_dp4a", "q8_1", "gguf", "64x64 tiles in shared memory, 4x4 outputs per thread, __dp4a",
+    _cuda("dp4a", "q8_1_mmvq", "gguf", "one thread per output, __dp4a on packed int8 words", min_cc=61),
+    _cuda("tiled_dp4a", "q8_1_mmvq", "gguf", "64x64 tiles in shared memory, 4x4 outputs per thread, __dp4a",
           min_cc=61),
-    _cuda("vec_dp4a", "q8_1", "split", "a warp per weight row, 16-byte loads of a split quants/scales layout, "
+    _cuda("vec_dp4a", "q8_1_mmvq", "split", "a warp per weight row, 16-byte loads of a split quants/scales layout, "
           "4 activation rows per weight load, __dp4a", min_cc=61),
     _cuda("w16_naive", "f32", "gguf", "W4A16/W8A16: one thread per output, weights dequantized in the kernel, "
           "fp32 activations and math"),
@@ -96,16 +120,16 @@ for _spec in (
     _cuda("cublas_f16", "f16", "f16", "weights dequantized once to fp16 on the GPU (cached), activations cast "
           "to fp16, cuBLAS GemmEx with fp32 accumulation and output"),
     _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 on the GPU (cached), cuBLAS SGEMM"),
-    _cuda("mmq", "q8_1", "mmq", "int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights repacked "
-          "to int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout the kernel reads, "
-          "llama.cpp's per-block epilogue in two fp32 FMAs (Q4_0's s-term as an fp16 MMA), 2-stage pipeline "
+    _cuda("mmq", "q8_1_mmq", "mmq", "llama.cpp's MMQ formula on int8 tensor cores (mma.sync m16n8k32, one quant block "
+          "per MMA), weights repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized "
+          "into the layout the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline "
           "(Hopper bulk copies, cp.async otherwise), split-K when the grid would leave SMs idle",
           min_cc=80, activation_layout="mmq"),
-    _cuda("mmq_wgmma", "q8_1", "mmq", "mmq's tiles, layouts and two-FMA epilogue through Hopper's asynchronous "
-          "wgmma (two warpgroups, m64n64k32 per quant block with operands read from shared memory by descriptor; "
-          "the magic bias made by a second wgmma on constant tiles; one block's epilogue overlapping the next "
-          "block's MMAs)", min_cc=90, max_cc=90, activation_layout="mmq"),
-    _cuda("gemv", "q8_1", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
+    _cuda("mmq_wgmma", "q8_1_mmq", "mmq", "mmq's formula, tiles, layouts and two-FMA epilogue through Hopper's "
+          "asynchronous wgmma (two warpgroups, m64n64k32 per quant block with operands read from shared memory "
+          "by descriptor; the bias made by a second wgmma on constant tiles; one block's epilogue overlapping "
+          "the next block's MMAs)", min_cc=90, max_cc=90, activation_layout="mmq"),
+    _cuda("gemv", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a "
           "skinny int8 MMA (16 weight rows x 8 activation rows) with K split across the block's warps",
           min_cc=80, max_m=8, activation_layout="split"),

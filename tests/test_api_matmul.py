@@ -48,7 +48,7 @@ def npy(x: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize("name", LARGE)
-@pytest.mark.parametrize("kernel", ["auto", "ref_q8_1", "ref_f32"])
+@pytest.mark.parametrize("kernel", ["auto", "ref_q8_1", "ref_mmq", "ref_f32"])
 def test_json_products_are_correct(client: TestClient, oracle: Oracle, rng: np.random.Generator,
                                    name: str, kernel: str) -> None:
     k = 14336 if "ffn_down" in name else 4096
@@ -58,7 +58,7 @@ def test_json_products_are_correct(client: TestClient, oracle: Oracle, rng: np.r
     body = r.json()
     y = np.array(body["output"], dtype=np.float32)
     assert body["shape"] == [3, 4096] and y.shape == (3, 4096)
-    assert body["activation_format"] == ("f32" if kernel == "ref_f32" else "q8_1")
+    assert body["activation_format"] == {"ref_f32": "f32", "ref_mmq": "q8_1_mmq"}.get(kernel, "q8_1_mmvq")
     assert body["kernel"] == ("ref_q8_1" if kernel == "auto" else kernel) and body["backend"] == "cpu"
     oracle.check(y, "demo", name, x, body["activation_format"])
     assert {"quantize", "gemm", "total"} <= set(body["timing_ms"])
@@ -75,7 +75,7 @@ def test_npy_products_are_correct(client: TestClient, oracle: Oracle, rng: np.ra
     assert r.headers["content-type"] == "application/x-npy"
     y = np.load(io.BytesIO(r.content), allow_pickle=False)
     assert y.dtype == np.float32 and y.shape == (5, 4096)
-    oracle.check(y, "demo", name, x.astype(np.float32), "q8_1")
+    oracle.check(y, "demo", name, x.astype(np.float32), "q8_1_mmvq")
     assert r.headers["x-qgemm-kernel"] == "ref_q8_1" and "total;dur=" in r.headers["server-timing"]
 
 
@@ -83,7 +83,7 @@ def test_smollm2_token_embd_end_to_end(client: TestClient, oracle: Oracle, rng: 
     x = rng.standard_normal((2, 576)).astype(np.float32)
     r = client.post("/v1/matmul", json={"model": SMOL_ID, "tensor": "token_embd.weight", "activations": x.tolist()})
     assert r.status_code == 200, r.text
-    oracle.check(np.array(r.json()["output"]), SMOL_ID, "token_embd.weight", x, "q8_1")
+    oracle.check(np.array(r.json()["output"]), SMOL_ID, "token_embd.weight", x, "q8_1_mmvq")
     r = client.post(f"/v1/matmul?model={SMOL_ID}&tensor=token_embd.weight&kernel=ref_f32",
                     content=npy(x.astype(np.float32)), headers={"Content-Type": "application/x-npy",
                                                                 "Accept": "application/x-npy"})
@@ -108,7 +108,10 @@ def test_single_row_and_odd_sizes(client: TestClient, oracle: Oracle, rng: np.ra
             x = rng.standard_normal((m, k)).astype(np.float32)
             r = client.post("/v1/matmul", json={"model": "demo", "tensor": name, "activations": x.tolist()})
             assert r.status_code == 200
-            oracle.check(np.array(r.json()["output"]), "demo", name, x, "q8_1")
+            body = r.json()  # auto: llama.cpp's MMVQ formula up to 8 rows, MMQ's above
+            assert (body["kernel"], body["activation_format"]) == \
+                (("ref_q8_1", "q8_1_mmvq") if m <= 8 else ("ref_mmq", "q8_1_mmq"))
+            oracle.check(np.array(body["output"]), "demo", name, x, body["activation_format"])
 
 
 def _post(client: TestClient, **body: object) -> tuple[int, dict]:

@@ -103,7 +103,8 @@ def test_no_path_outside_the_models_dir(client: TestClient) -> None:
 def test_kernels_lists_auto_and_the_reference(client: TestClient) -> None:
     ks = {k["name"]: k for k in client.get("/v1/kernels").json()["kernels"]}
     assert ks["auto"]["available"] and ks["ref_q8_1"]["available"] and ks["ref_f32"]["available"]
-    assert ks["ref_q8_1"]["activation_format"] == "q8_1" and ks["ref_f32"]["activation_format"] == "f32"
+    assert ks["ref_q8_1"]["activation_format"] == "q8_1_mmvq" and ks["ref_mmq"]["activation_format"] == "q8_1_mmq"
+    assert ks["ref_f32"]["activation_format"] == "f32"
     for k in ks.values():
         assert set(k) == {"name", "weight_types", "activation_format", "backend", "available", "reason", "description"}
         assert k["available"] or k["reason"]

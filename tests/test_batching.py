@@ -27,7 +27,7 @@ class FakeDevice:
         self.batches.append((context, [p.shape[0] for p in parts]))
         await asyncio.sleep(self.seconds)
         x = np.concatenate(parts)
-        return spec or SPEC, Result(x.sum(axis=1, keepdims=True), "cpu", "q8_1", {"gemm": 0.0})
+        return spec or SPEC, Result(x.sum(axis=1, keepdims=True), "cpu", "q8_1_mmvq", {"gemm": 0.0})
 
 
 def run(coro):

@@ -221,7 +221,7 @@ class CudaBackend:
             x_d.set(x_h, stream=s)
             ev[1].record(s)
             acts: Any
-            if spec.activation_format == "q8_1":
+            if spec.quantizes:
                 acts = launch.q8_1_buffers(spec.activation_layout, m, k)
                 if poison:
                     for buf in acts.values() if isinstance(acts, dict) else [acts]:
@@ -245,7 +245,7 @@ class CudaBackend:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
         ev = self.events
         q8_1 = None
-        if keep_q8_1 and pending.spec.activation_format == "q8_1":
+        if keep_q8_1 and pending.spec.quantizes:
             with self.stream:
                 q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k)
         y = pending.y_h.copy()  # the staging buffer is the next product's

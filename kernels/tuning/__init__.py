@@ -10,11 +10,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kernels.registry import KERNELS, KernelSpec
+from kernels.registry import KERNELS, KernelSpec, llama_formula
 
 TABLE = Path(__file__).with_name("table.json")
 FALLBACK_SMALL_M = ("gemv", "vec_dp4a", "tiled_dp4a")  # M <= 8: stream the weights
-FALLBACK_LARGE_M = ("mmq", "tiled_dp4a", "vec_dp4a")  # reuse weights from shared memory
+FALLBACK_LARGE_M = ("mmq", "mmq_wgmma")  # reuse weights from shared memory
 
 
 @lru_cache(maxsize=1)
@@ -27,8 +27,8 @@ def load_table() -> dict[str, Any]:
 
 def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
     spec = KERNELS.get(name)
-    if spec is None or spec.backend != "cuda":
-        return None
+    if spec is None or spec.backend != "cuda" or spec.activation_format != llama_formula(m):
+        return None  # auto answers what llama.cpp answers at this M: only kernels of its formula
     if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
         return None
     return spec
@@ -61,7 +61,7 @@ def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
     groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for r in result["rows"]:
         spec = KERNELS.get(r["kernel"])
-        if spec is None or spec.activation_format != "q8_1":
+        if spec is None or not spec.quantizes:
             continue
         if r["nmse"] <= (1e-3 if r["type"] == "Q4_0" else 1e-4):  # only correct kernels compete
             groups.setdefault((r["type"], r["K"], r["M"]), []).append(r)
