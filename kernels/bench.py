@@ -108,7 +108,7 @@ def copy_bandwidth(cupy: Any) -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def activation_step(mods: Any, spec: Any, x: Any) -> Callable[[], Any]:
+def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[], Any]:
     """The activation work timed with each GEMM (llama.cpp's times include it): Q8_1 quantization into the
     kernel's layout, the fp16 cast of the cuBLAS baseline, or nothing.  Buffers are made here, beforehand:
     graphs cannot allocate."""
@@ -118,10 +118,11 @@ def activation_step(mods: Any, spec: Any, x: Any) -> Callable[[], Any]:
 
     m, k = x.shape
     if spec.quantizes:
-        acts = launch.q8_1_buffers(spec.activation_layout, m, k)
+        layout = launch.activation_layout(spec, type_name)
+        acts = launch.q8_1_buffers(layout, m, k)
 
         def quantize() -> Any:
-            launch.quantize_into(mods, spec.activation_layout, x, acts)
+            launch.quantize_into(mods, layout, x, acts)
             return acts
         return quantize
     if spec.activation_format == "f16":
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             if spec.can_run(type_name, m, n, k, backend.cc):
                                 continue
                             copies = layouts[spec.weight_layout]
-                            prep = activation_step(mods, spec, x)
+                            prep = activation_step(mods, spec, x, type_name)
                             acts = prep()
 
                             def gemm(i: int, spec=spec, copies=copies, acts=acts, y=y, t=type_name, m=m, n=n,

@@ -82,13 +82,19 @@ def warp_sum(xb: np.ndarray) -> np.ndarray:
     return s[..., 0]
 
 
-def quantize_q8_1(x: np.ndarray) -> Q8_1:
+def _blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """X [M, K] as float32 blocks [M, K/32, 32], and each block's max |x|."""
     x = np.asarray(x, dtype=np.float32)
     m, k = x.shape
     if k % QK:
         raise ValueError(f"K={k} is not a multiple of {QK}")
     xb = x.reshape(m, k // QK, QK)
-    amax = np.abs(xb).max(axis=-1)
+    return xb, np.abs(xb).max(axis=-1)
+
+
+def quantize_q8_1(x: np.ndarray) -> Q8_1:
+    xb, amax = _blocks(x)
+    m, k = xb.shape[0], xb.shape[1] * QK
     d = amax / np.float32(127)
     with np.errstate(divide="ignore", invalid="ignore"):
         v = xb / d[..., None]
@@ -103,17 +109,16 @@ def quantize_q8_1_mmq(x: np.ndarray, ds_layout: str) -> Q8_1:
     block's sum (four values a thread added in order, then a butterfly over the block's 8 threads)."""
     if ds_layout not in ("D4", "DS4"):
         raise ValueError(f"no MMQ activation layout {ds_layout!r}")
-    x = np.asarray(x, dtype=np.float32)
-    m, k = x.shape
-    if k % QK:
-        raise ValueError(f"K={k} is not a multiple of {QK}")
-    xb = x.reshape(m, k // QK, QK)
-    amax = np.abs(xb).max(axis=-1)
+    xb, amax = _blocks(x)
+    m, k = xb.shape[0], xb.shape[1] * QK
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         d_inv = np.float32(127) / amax  # inf for an all-zero block: its q are 0 and d = 1/inf = 0
         v = xb * d_inv[..., None]
         d = np.float32(1) / d_inv
-    q = np.where(amax[..., None] == 0, 0, roundf(v)).astype(np.int8)
+        r = roundf(v)
+    # as the device converts to int8: saturating, NaN to 0 (a block with amax below 127/FLT_MAX has
+    # d_inv = inf: its q are +-127/-128 or 0 and its d is 0, so it adds nothing)
+    q = np.where(np.isnan(r), 0, np.clip(r, -128, 127)).astype(np.int8)
     fours = xb.reshape(m, k // QK, 8, 4)
     s = ((fours[..., 0] + fours[..., 1]) + fours[..., 2]) + fours[..., 3]  # float32, as the thread adds
     with np.errstate(over="ignore"):

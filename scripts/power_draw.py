@@ -42,7 +42,7 @@ def bench_pair(backend: CudaBackend, kernel: str, tensor: Any) -> Callable[[], N
     n, k = raw.shape[0], int(tensor.shape[0])
     w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
     x = cupy.asarray(np.random.default_rng(1).standard_normal((M, k)).astype(np.float32))
-    prep = activation_step(mods, spec, x)
+    prep = activation_step(mods, spec, x, type_name)
     y = cupy.empty((M, n), dtype=cupy.float32)
     return lambda: launch.launch_gemm(mods, spec, type_name, w, prep(), y, M, n, k)
 

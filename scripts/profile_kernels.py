@@ -33,8 +33,9 @@ def main() -> None:
         spec = KERNELS[kernel]
         w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
         x = cupy.asarray(np.random.default_rng().standard_normal((m, k)).astype(np.float32))
-        acts = launch.q8_1_buffers(spec.activation_layout, m, k)
-        launch.quantize_into(mods, spec.activation_layout, x, acts)
+        layout = launch.activation_layout(spec, type_name)
+        acts = launch.q8_1_buffers(layout, m, k)
+        launch.quantize_into(mods, layout, x, acts)
         y = cupy.empty((m, n), dtype=cupy.float32)
         launch.launch_gemm(mods, spec, type_name, w, acts, y, m, n, k)
         cupy.cuda.Device().synchronize()

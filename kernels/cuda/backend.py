@@ -62,6 +62,7 @@ class Pending:
     y_h: np.ndarray
     acts: Any
     weights_ms: float
+    layout: str = ""  # the activations' layout (Q8_1 kernels)
 
 
 def cuda_device_present() -> bool:
@@ -221,12 +222,14 @@ class CudaBackend:
             x_d.set(x_h, stream=s)
             ev[1].record(s)
             acts: Any
+            layout = ""
             if spec.quantizes:
-                acts = launch.q8_1_buffers(spec.activation_layout, m, k)
+                layout = launch.activation_layout(spec, w.type_name)
+                acts = launch.q8_1_buffers(layout, m, k)
                 if poison:
                     for buf in acts.values() if isinstance(acts, dict) else [acts]:
                         buf.view(cupy.uint8).fill(POISON_Q8_1)
-                launch.quantize_into(self.modules, spec.activation_layout, x_d, acts)
+                launch.quantize_into(self.modules, layout, x_d, acts)
             elif spec.activation_format == "f16":
                 acts = x_d.astype(cupy.float16)
             else:
@@ -239,7 +242,7 @@ class CudaBackend:
             ev[3].record(s)
             y_d.get(stream=s, out=y_h, blocking=False)
             ev[4].record(s)
-        return Pending(spec, m, k, y_h, acts, weights_ms)
+        return Pending(spec, m, k, y_h, acts, weights_ms, layout)
 
     def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
@@ -247,7 +250,7 @@ class CudaBackend:
         q8_1 = None
         if keep_q8_1 and pending.spec.quantizes:
             with self.stream:
-                q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k)
+                q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k, pending.layout)
         y = pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
@@ -259,7 +262,7 @@ class CudaBackend:
         return self.resident.has(w.key, spec.weight_layout)
 
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
-        """The device's Q8_1 of x in an activation layout ("blocks", "split" or "mmq"; for tests)."""
+        """The device's Q8_1 of x in an activation layout ("blocks", "split", "mmq_d4" or "mmq_ds4"; for tests)."""
 
         def run() -> reference.Q8_1:
             with self.stream as s:
@@ -268,7 +271,7 @@ class CudaBackend:
                 for buf in acts.values() if isinstance(acts, dict) else [acts]:
                     buf.view(cupy.uint8).fill(POISON_Q8_1)
                 launch.quantize_into(self.modules, layout, x_d, acts)
-                out = launch.q8_1_to_host(acts, *x.shape)
+                out = launch.q8_1_to_host(acts, *x.shape, layout)
                 s.synchronize()
             return out
         return self._call(run)

@@ -1,15 +1,18 @@
 // The fast kernels: `mmq` (int8 tensor cores, mma.sync m16n8k32) and `mmq_wgmma` (Hopper's wgmma) read
-// both operands tiled for them (below); `gemv` (a weight stream at the memory roofline, M <= 8) reads the
-// split Q8_1 layout (aq int8 [M, K], ads half2 [M, K/32]).  All compute llama.cpp's per-block formula
-// exactly: one 32-value block is one MMA's K, so sumi is the exact integer block dot, scaled in fp32.
+// both operands tiled for them (below) and compute llama.cpp's MMQ formula (sumi * d_w * d_a over signed
+// weights, no sum term); `gemv` (a weight stream at the memory roofline, M <= 8) reads the split Q8_1 layout
+// (aq int8 [M, K], ads half2 [M, K/32]) and computes its MMVQ formula.  One 32-value block is one MMA's K,
+// so sumi is the exact integer block dot, scaled in fp32.
 #include "common.cuh"
 
 // ---- mmq ----------------------------------------------------------------------------------------
 // Both operands come tiled so that what one stage of one block needs is a few contiguous pieces:
 //   weights ("mmq" layout, repacked at upload), per 128-row tile and stage of 4 quant blocks:
-//     wq [N/128][SB][128 x 128] int8 (Q4_0 widened to 0..15), wd [N/128][SB][4][128] fp32 the scale the
-//     epilogue multiplies by (Q8_0: d_w; Q4_0: -d_w/8), wh [N/128][SB][128][4] half d_w (Q4_0's s-term);
-//   activations (quantize_q8_1_mmq, q8_1.cu), per 64-row tile and stage: qs, dc (d_a, -12582912*d_a), s.
+//     wq [N/128][SB][128 x 128] int8, the signed values as llama.cpp's MMQ tiles hold them (Q4_0: q - 8;
+//     Q8_0: q), wd [N/128][SB][4][128] fp32 d_w;
+//   activations (quantize_q8_1_mmq, q8_1.cu), per 64-row tile and stage: qs, dc (d_a 2^111, -d_a 2^-19).
+// So the kernels are the same for every weight type: the format's part is its repacking and its
+// activation layout (d_a in float or rounded to half: llama.cpp's D4 / DS4).
 // Padding rows and blocks are zeros on the weight side, so a stage is always whole: no predicates.
 // A quant piece (rows x 128 bytes of K) is stored as 8 x 16-byte "core matrices": byte (r, k) at
 // ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16.  That is the canonical no-swizzle K-major layout that wgmma reads
@@ -20,16 +23,15 @@
 // a stage at a time through MMQ_STAGES shared-memory buffers (MmqBlock's loaders, below).
 // Split-K over gridDim.z adds into a zeroed Y.
 //
-// The epilogue is two FFMAs per output and block, on top of the MMA:
-//   * the MMA adds onto C = bits of 1.5*2^23, so its result F is the float 12582912 + sumi exactly, and
-//     t = fma(F, d_a, -12582912*d_a) = round(d_a*sumi) in one instruction (-12582912*d_a is exact: d_a is
-//     a half, 11 significant bits, times 3*2^22);
-//   * acc = fma(t, w, acc) with w = d_w (Q8_0) or -d_w/8 (Q4_0).
-// Q4_0's -8*d_w*s_a term is a product of two halves, exact in fp32: it goes to the tensor cores as an
-// fp16 MMA m16n8k16 into the same accumulators (which then hold -out/8), one per tile every 4 stages
-// (k = 16 blocks): each stage's s_a and d_w pieces land in a ring of MMQ_RING slots, apart from the stage
-// buffers, so a group of 4 stages is still there when its last stage is done.  (An MMA per stage, k8 with
-// half its k zero, cost 4x the MMAs and shared loads.)
+// The epilogue is two FFMAs per output and block, on top of the MMA, exact for any float d_a:
+//   * the MMA adds onto C = 2^19, so its int32 result D = 2^19 + sumi lies in [4096, 2^20) (|sumi| <=
+//     32 * 127 * 128); read as a float it is the subnormal D * 2^-149, and with c1 = d_a * 2^111,
+//     c2 = -d_a * 2^-19 (both exact: powers of two times d_a), t = fma(F, c1, c2) = round(d_a*sumi) * 2^-38
+//     in one instruction (an fma that keeps subnormals: fma_keep_denormals);
+//   * acc' = fma(t, d_w, acc') is the output times 2^-38, scaled back at the store.
+// llama.cpp computes fma(sumi * d_w, d_a, acc) instead: the same terms, rounded in another order.
+// (Before llama.cpp's MMQ formula, Q4_0 kept unsigned weights and a sum term, run as an fp16 MMA;
+// docs/parity.md says why the formula changed.)
 #define MMQ_BM 64
 #define MMQ_BN 128
 #define MMQ_BKB 4
@@ -40,41 +42,37 @@
 #define MMQ_MIN_BLOCKS 2
 #endif
 #define MMQ_THREADS 128
-#define MAGIC_I 0x4B400000
+#define MAGIC_I 0x4B400000  // skinny's bias: 1.5 * 2^23 as float bits, F - 12582912 = sumi
 #define MAGIC_F 12582912.0f
+#define MMQ_BIAS 0x00080000  // mmq's: 2^19 (the epilogue above)
 
-// mmq_wgmma's accumulators hold out * 2^-38 (its section says why); the store multiplies back.
+// The accumulators hold out * 2^-38 (the epilogue above); the store multiplies back.
 #define WG_SCALE 0x1p-38f
 #define WG_UNSCALE 0x1p38f
-#define MMQ_RING 8  // s-term slots: the group of 4 stages being filled and the one waiting for its MMA
 
-// Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then (Q4_0)
-// the s-term ring, then the barriers.  launch.py's mmq_smem() mirrors BYTES.
-template <bool S_TERM>
+// Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then the
+// barriers.  launch.py's mmq_smem() mirrors BYTES.
 struct MmqSmem {
     static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
     static constexpr int STAGE = WD + MMQ_BKB * MMQ_BN * 4;
-    static constexpr int SA_SLOT = MMQ_BM * MMQ_BKB * 2, WH_SLOT = MMQ_BN * MMQ_BKB * 2;  // halves [rows][4]
-    static constexpr int RING = S_TERM ? MMQ_RING : 0;
-    static constexpr int SA = MMQ_STAGES * STAGE, WH = SA + RING * SA_SLOT, BARS = WH + RING * WH_SLOT;
-    static constexpr int BYTES = BARS + 8 * MMQ_STAGES;
+    static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
 
-// D = A*B + MAGIC_I in all four lanes: C is one constant register, so no per-MMA moves to reset it.
-__device__ __forceinline__ void mma_s8_magic(int* d, const int* a, const int* b) {
+// D = A*B + C_BITS in all four lanes: C is one constant register, so no per-MMA moves to reset it.
+template <int C_BITS>
+__device__ __forceinline__ void mma_s8_const(int* d, const int* a, const int* b) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%10,%10,%10,%10};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(MAGIC_I));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(C_BITS));
 }
 __device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
 
-// acc += A (16 x 16 halves) * B (16 x 8 halves), fp32 accumulate: the Q4_0 s-term.
-__device__ __forceinline__ void mma_f16_k16(float* acc, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// fma.rn without .ftz: the epilogue's F is subnormal (this file is compiled with -ftz=true)
+__device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
 }
 
 __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
@@ -97,16 +95,14 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
 #else
 #define MMQ_CAN_BULK false
 #endif
-template <typename T, bool BULK>
+template <bool BULK>
 struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
     const float* wd;
-    const __half *sa, *wh;
     int m0, n0, stages;
 
-    __device__ MmqBlock(const i8* wq, const float* wd_, const __half* wh_, const i8* aq, const float2* dc_,
-                        const __half* as, int K, int stages_per_split) {
+    __device__ MmqBlock(const i8* wq, const float* wd_, const i8* aq, const float2* dc_, int K, int stages_per_split) {
         const int SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB, s_begin = blockIdx.z * stages_per_split;
         const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
         m0 = blockIdx.y * MMQ_BM;
@@ -116,11 +112,9 @@ struct MmqBlock {
         b = wq + (pn << 14);
         dc = dc_ + (pm << 8);
         wd = wd_ + (pn << 9);
-        sa = as + (pm << 8);
-        wh = wh_ + (pn << 9);
     }
 
-    using S = MmqSmem<T::OFFSET8>;
+    using S = MmqSmem;
     static __device__ __forceinline__ unsigned long long* bar(char* smem, int buf) {
         return reinterpret_cast<unsigned long long*>(smem + S::BARS) + buf;
     }
@@ -131,22 +125,15 @@ struct MmqBlock {
     }
     __device__ __forceinline__ void load(char* smem, int stage) const {
         char* st = smem + (stage % MMQ_STAGES) * S::STAGE;
-        char* sa_slot = smem + S::SA + (stage % MMQ_RING) * S::SA_SLOT;
-        char* wh_slot = smem + S::WH + (stage % MMQ_RING) * S::WH_SLOT;
         if constexpr (BULK) {  // one thread: the stage's pieces, whole
 #ifdef QGEMM_BULK
-            constexpr unsigned bytes = (MMQ_BM + MMQ_BN) * 128 + MMQ_BKB * (MMQ_BM * 8 + MMQ_BN * 4) +
-                                       (T::OFFSET8 ? MMQ_BKB * 2 * (MMQ_BM + MMQ_BN) : 0);
+            constexpr unsigned bytes = (MMQ_BM + MMQ_BN) * 128 + MMQ_BKB * (MMQ_BM * 8 + MMQ_BN * 4);
             unsigned long long* done = bar(smem, stage % MMQ_STAGES);
             mbar_expect(done, bytes);
             bulk_copy(st + S::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
             bulk_copy(st + S::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
             bulk_copy(st + S::WD, wd + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
-            if constexpr (T::OFFSET8) {
-                bulk_copy(sa_slot, sa + ((size_t)stage << 8), S::SA_SLOT, done);
-                bulk_copy(wh_slot, wh + ((size_t)stage << 9), S::WH_SLOT, done);
-            }
 #endif
         } else {  // every thread: its 16-byte chunks
             const int tid = threadIdx.x;
@@ -159,10 +146,6 @@ struct MmqBlock {
                 cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
             cp_async16(st + S::DC, chunk(dc, 8, stage), true);
             cp_async16(st + S::WD, chunk(wd, 9, stage), true);
-            if constexpr (T::OFFSET8) {
-                if (tid < S::SA_SLOT / 16) cp_async16(sa_slot + tid * 16, chunk(sa, 8, stage), true);
-                if (tid < S::WH_SLOT / 16) cp_async16(wh_slot + tid * 16, chunk(wh, 9, stage), true);
-            }
         }
     }
     __device__ __forceinline__ void start(char* smem) const {  // the first MMQ_STAGES - 1 stages in flight
@@ -199,59 +182,12 @@ struct MmqBlock {
         }
     }
 
-    // Q4_0, after stage s: when s ends a group of 4 stages (or is the last), acc += s_a . d_w over the
-    // group's blocks, one fp16 MMA m16n8k16 per 16 x 8 tile of the warp's MI x NI tiles at (row0, col0).
-    // Fragments: a0/a1 rows g/g+8 and k = blocks 2t, 2t+1 (stage 4*group + t/2); a2/a3 the same rows at
-    // blocks 2t+8, 2t+9 (two stages on); b0/b1 column g at the same k.  A 32-bit word is a row's 2 adjacent
-    // blocks, word (row * 2 + t % 2) of its stage's slot.  Stages past the last read as zeros.
-    // SCALED: the accumulators hold out * 2^-38 (mmq_wgmma), so the s-term goes in through a zeroed tile.
-    template <int MI, int NI, bool SCALED = false>
-    __device__ __forceinline__ void s_term(float (&acc)[MI][NI][4], const char* smem, int s, int row0,
-                                           int col0) const {
-        if ((s & 3) != 3 && s + 1 != stages) return;
-        const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-        const int s_lo = (s & ~3) + (t >> 1), s_hi = s_lo + 2;
-        const bool lo = s_lo < stages, hi = s_hi < stages;
-        auto words = [&](int ring, int slot_bytes, int stage) {  // this thread's words of a stage's slot
-            return reinterpret_cast<const unsigned*>(smem + ring + (stage % MMQ_RING) * slot_bytes) + (t & 1);
-        };
-        const unsigned *sa_lo = words(S::SA, S::SA_SLOT, s_lo), *sa_hi = words(S::SA, S::SA_SLOT, s_hi);
-        const unsigned *wh_lo = words(S::WH, S::WH_SLOT, s_lo), *wh_hi = words(S::WH, S::WH_SLOT, s_hi);
-        unsigned a[MI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-            const int r = row0 + mi * 16 + g;
-            a[mi][0] = lo ? sa_lo[r * 2] : 0u;
-            a[mi][1] = lo ? sa_lo[(r + 8) * 2] : 0u;
-            a[mi][2] = hi ? sa_hi[r * 2] : 0u;
-            a[mi][3] = hi ? sa_hi[(r + 8) * 2] : 0u;
-        }
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-            const int n = col0 + ni * 8 + g;
-            const unsigned b[2] = {lo ? wh_lo[n * 2] : 0u, hi ? wh_hi[n * 2] : 0u};
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                if constexpr (SCALED) {
-                    float part[4] = {};
-                    mma_f16_k16(part, a[mi], b);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], WG_SCALE, acc[mi][ni][e]);
-                } else {
-                    mma_f16_k16(acc[mi][ni], a[mi], b);
-                }
-            }
-        }
-    }
-
-    // Q4_0's accumulators hold -out/8.  A pair goes out as one 8-byte store (or vector atomic) when N is even
-    // (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
+    // The accumulators hold out * 2^-38.  A pair goes out as one 8-byte store (or vector atomic) when N is
+    // even (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
     // sectors, that took GEMM alone at K=4096 M=512 from 57.2 to 51.4 us (Q4_0) and 50.9 to 48.7 (Q8_0).
-    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1,
-                                          float unscale = 1.0f) const {
+    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1) const {
         if (m >= M) return;
-        const float scale = (T::OFFSET8 ? -8.0f : 1.0f) * unscale;
-        const float v0 = scale * a0, v1 = scale * a1;
+        const float v0 = WG_UNSCALE * a0, v1 = WG_UNSCALE * a1;
         float* y = Y + (size_t)m * N + n;
         if (n + 1 < N && !(N & 1)) {
             if (!atomic) { *reinterpret_cast<float2*>(y) = make_float2(v0, v1); return; }
@@ -270,30 +206,21 @@ struct MmqBlock {
     }
 };
 
-// How many of a stage's 4 quant blocks the loop body unrolls (ptxas schedules each differently; measured
-// on the H100, GEMM alone).  Fully unrolled, Q4_0 (whose s-term keeps a few more registers live) spills
-// 16 bytes in the loop; unrolled by 2 it does not: K=4096 M=512 57.0 -> 56.0 us, K=14336 M=512 177 ->
-// 171.  Grids of several waves (M=2048) run faster still with the loop not unrolled: K=4096 212 -> 191,
-// K=14336 700 -> 660; one wave runs slower so (59 us at K=4096 M=512).  Q8_0 is fastest fully unrolled
-// everywhere (10% slower by 2 or 1 at M=512, the same at M=2048).
-template <typename T, bool WAVES>
-struct MmqUnroll {
-#ifdef MMQ_UNROLL  // dev: -D overrides
-    static constexpr int BLOCKS = MMQ_UNROLL;
-#else
-    static constexpr int BLOCKS = !T::OFFSET8 ? MMQ_BKB : WAVES ? 1 : 2;
+// The stage's 4 quant blocks fully unrolled (measured fastest for Q8_0 at every size on the H100, 10% over
+// unrolling by 2 or 1 at M=512; Q4_0 runs the same code since it lost its sum term).
+#ifndef MMQ_UNROLL  // dev: -D overrides
+#define MMQ_UNROLL MMQ_BKB
 #endif
-};
+constexpr int kMmqUnroll = MMQ_UNROLL;  // #pragma unroll takes a constant expression, not a macro
 
-template <typename T, int UNROLL>
-__device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
-                    const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
-                    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
+    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    const MmqBlock<T, MMQ_CAN_BULK> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
+    const MmqBlock<MMQ_CAN_BULK> blk(wq, wd, aq, dc, K, stages_per_split);
     using S = typename decltype(blk)::S;
     float acc[2][8][4] = {};
     blk.start(smem);
@@ -308,7 +235,7 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * 64 + 2 * t;
-#pragma unroll UNROLL
+#pragma unroll kMmqUnroll
         for (int j = 0; j < MMQ_BKB; ++j) {
             int a[2][4], b[8][2];
 #pragma unroll
@@ -333,17 +260,16 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
                     int c[4];
-                    mma_s8_magic(c, a[mi], b[ni]);
+                    mma_s8_const<MMQ_BIAS>(c, a[mi], b[ni]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float2 d = da[mi][e >> 1];
-                        const float ts = fmaf(__int_as_float(c[e]), d.x, d.y);  // round(d_a * sumi)
+                        const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
                         acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
                     }
                 }
             }
         }
-        if constexpr (T::OFFSET8) blk.s_term(acc, smem, s, wm * 32, wn * 64);
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -360,23 +286,12 @@ __device__ void mmq(const i8* __restrict__ wq, const float* __restrict__ wd, con
 // warps an SM), asynchronously: while the tensor cores do block j+1, the warps run the epilogue of block j.
 // Operands are read from shared memory through descriptors (no ldmatrix, no fragments in registers).
 //
-// The magic bias, made by the tensor cores.  wgmma cannot start from a constant C (mmq's free bias), so
+// mmq's 2^19 bias, made by the tensor cores.  wgmma cannot start from a constant C (mmq's free bias), so
 // each quant block takes two wgmmas into one accumulator set: the first (scale-d 0) multiplies two constant
-// tiles of -128s, 32 * 128 * 128 = 2^19 in every lane, the second adds the block's product.  D = 2^19 + sumi
-// >= 4096 for any block (|sumi| <= 32 * 127 * 128), and a non-negative int32 below 2^24 read as a float is
-// exactly D * 2^-149 (denormal or not).  With c1 = d_a * 2^111 and c2 = -d_a * 2^-19,
-// fma.rn(F, c1, c2) = round(d_a * sumi) * 2^-38 in one instruction (it must not flush: F is denormal; the
-// 2^-38 keeps c1 finite for any half d_a), and acc' = fma(t, w, acc') is mmq's acc times 2^-38, exactly:
-// Q8_0's outputs equal mmq's bit for bit.  Two FFMAs per value, as mmq (an IADD per value re-biasing the
-// accumulators had made it three).  The store scales back; Q4_0's s-term joins through a zeroed tile.
-// Measured on the H100 5-10% slower than mmq (docs/kernels.md): the bias doubles the tensor-core work.
+// tiles of -128s, 32 * 128 * 128 = 2^19 in every lane, the second adds the block's product; then mmq's
+// two-FFMA epilogue, so its outputs equal mmq's bit for bit.  Measured on the H100 5-10% slower than mmq
+// (docs/kernels.md): the bias doubles the tensor-core work.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
-    float r;
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-    return r;
-}
 
 // Canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K); SBO = the next 8 rows (1024 bytes in
 // a stage piece, 256 in the 64 x 32-byte bias tile).
@@ -415,23 +330,21 @@ __device__ __forceinline__ void fence_regs(int* d) {
 }
 
 // mmq's shared memory, then the bias tile (2 KiB of -128s).  launch.py's mmq_wgmma_smem() mirrors BYTES.
-template <typename T>
 struct MmqWgSmem {
-    static constexpr int BIAS = (MmqSmem<T::OFFSET8>::BYTES + 127) / 128 * 128, BYTES = BIAS + 2048;
+    static constexpr int BIAS = (MmqSmem::BYTES + 127) / 128 * 128, BYTES = BIAS + 2048;
 };
 
-template <typename T>
-__device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, const __half* __restrict__ wh,
-                       const i8* __restrict__ aq, const float2* __restrict__ dc, const __half* __restrict__ as,
-                       float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+extern "C" __global__ void __launch_bounds__(2 * MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq_wgmma(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
+          const float2* __restrict__ dc, float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3, w4 = warp & 3, wg = warp >> 2;
-    const MmqBlock<T, true> blk(wq, wd, wh, aq, dc, as, K, stages_per_split);
+    const MmqBlock<true> blk(wq, wd, aq, dc, K, stages_per_split);
     using S = typename decltype(blk)::S;
-    reinterpret_cast<uint2*>(smem + MmqWgSmem<T>::BIAS)[tid] = make_uint2(0x80808080u, 0x80808080u);
+    reinterpret_cast<uint2*>(smem + MmqWgSmem::BIAS)[tid] = make_uint2(0x80808080u, 0x80808080u);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores, read by the async proxy
-    const unsigned long long bias = wgmma_desc(smem + MmqWgSmem<T>::BIAS, 256);
+    const unsigned long long bias = wgmma_desc(smem + MmqWgSmem::BIAS, 256);
     float acc[1][8][4] = {};  // acc' of n8 tile i: (row 16 w4 + g, col 64 wg + 8i + 2t), (.., +1), (row +8, ..), (.., +1)
     int d[2][32];
     blk.start(smem);  // its __syncthreads also publishes the bias tile
@@ -458,9 +371,10 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
             }
             const int* c = d[j & 1];
             fence_regs(d[j & 1]);
-            const float da0 = sDC[j * MMQ_BM].x, da1 = sDC[j * MMQ_BM + 8].x;
-            const float c10 = da0 * 2.5961484292674138e33f, c20 = da0 * -1.9073486328125e-06f;  // 2^111, -2^-19
-            const float c11 = da1 * 2.5961484292674138e33f, c21 = da1 * -1.9073486328125e-06f;
+            // c2 = c1 * -2^-130 (exact unless d_a < 2^-107), in two steps since 2^-130 is subnormal (flushed
+            // here): one load a row, not two (which spilled two more registers)
+            const float c10 = sDC[j * MMQ_BM].x, c11 = sDC[j * MMQ_BM + 8].x;
+            const float c20 = (c10 * -0x1p-65f) * 0x1p-65f, c21 = (c11 * -0x1p-65f) * 0x1p-65f;
 #pragma unroll
             for (int i = 0; i < 8; ++i, c += 4) {
                 const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + 8 * i);
@@ -471,23 +385,14 @@ __device__ void mmq_wg(const i8* __restrict__ wq, const float* __restrict__ wd, 
                 o[3] = fmaf(fma_keep_denormals(__int_as_float(c[3]), c11, c21), w.y, o[3]);
             }
         }
-        if constexpr (T::OFFSET8) blk.template s_term<1, 8, true>(acc, smem, s, w4 * 16, 64 * wg);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             blk.store(Y, M, N, atomic, blk.m0 + w4 * 16 + g + 8 * hh, blk.n0 + 64 * wg + 8 * i + 2 * t,
-                      acc[0][i][2 * hh], acc[0][i][2 * hh + 1], WG_UNSCALE);
+                      acc[0][i][2 * hh], acc[0][i][2 * hh + 1]);
 }
-
-#define MMQ_WG(t, T)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(2 * MMQ_THREADS, MMQ_MIN_BLOCKS)                               \
-        mmq_wgmma_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,          \
-                      const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {      \
-        mmq_wg<T>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);                                 \
-    }
-QGEMM_FOR_TYPES(MMQ_WG)
 #endif
 
 // ---- gemv -------------------------------------------------------------------------------------
@@ -614,7 +519,7 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int c[4];
-            mma_s8_magic(c, a[u], b[u]);
+            mma_s8_const<MAGIC_I>(c, a[u], b[u]);
             const float2 f0 = __half22float2(s0[u]), f1 = __half22float2(s1[u]);
             // c0: (weight row nA, act m0), c1: (nA, m1), c2: (nB, m0), c3: (nB, m1)
             acc[0] += block_epilogue(T::OFFSET8, dA[u], c[0], f0);
@@ -636,17 +541,6 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
 }
 
 #define FAST(t, T)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                                \
-        mmq_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc, const __half* as, \
-                float* Y, int M, int N, int K, int stages_per_split, int atomic) {                              \
-        mmq<T, MmqUnroll<T, false>::BLOCKS>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);          \
-    }                                                                                                           \
-    /* the same for grids of more than one wave (launch.py picks) */                                            \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
-        mmq_waves_##t(const i8* wq, const float* wd, const __half* wh, const i8* aq, const float2* dc,            \
-                      const __half* as, float* Y, int M, int N, int K, int stages_per_split, int atomic) {      \
-        mmq<T, MmqUnroll<T, true>::BLOCKS>(wq, wd, wh, aq, dc, as, Y, M, N, K, stages_per_split, atomic);           \
-    }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int N, int K) {   \
         gemv1<T>(wq, wd, aq, ads, Y, N, K);                                                                     \

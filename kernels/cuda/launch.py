@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from kernels.cuda import cublas, pdl
-from kernels.formats import FORMATS, QK, format_of
+from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
 from kernels.registry import KernelSpec
 
 Q8_1_BYTES = FORMATS[GGMLQuantizationType.Q8_1].block_bytes
@@ -68,15 +68,22 @@ def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
     return cdiv(rows, tile), cdiv(k // QK, MMQ_BKB)
 
 
+def activation_layout(spec: KernelSpec, type_name: str) -> str:
+    """The layout a kernel's activations are quantized into for weights of this type: its own, and for the
+    MMQ kernels the format's scale layout as well ("mmq_d4": d_a in float; "mmq_ds4": d_a a half)."""
+    if spec.activation_layout == "mmq":
+        return "mmq_" + mmq_ds_layout(type_name).lower()
+    return spec.activation_layout
+
+
 def q8_1_buffers(layout: str, m: int, k: int) -> Any:
     """Device buffers for activations quantized into `layout` (uninitialised)."""
     if layout == "split":
         return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
-    if layout == "mmq":  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
+    if layout.startswith("mmq"):  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
         pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
         return {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
-                "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32),
-                "s": cupy.empty(pieces * MMQ_BM * MMQ_BKB, dtype=cupy.float16)}
+                "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
 
@@ -105,28 +112,28 @@ def quantize_mmq_kernel(sm_count: int, m: int, k: int) -> str:
 def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
     if layout == "split":
         quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
-    elif layout == "mmq":
+    elif layout in ("mmq_d4", "mmq_ds4"):
         m, k = x.shape
         sb = mmq_tiles(m, k, MMQ_BM)[1]
         name = quantize_mmq_kernel(mods.sm_count, m, k)
         mods.function("q8_1.cu", name)((cdiv(quantize_mmq_warps(name, m, k), 8),), (256,),
-                                       (x, acts["qs"], acts["dc"], acts["s"], I32(m), I32(k), I32(sb)))
+                                       (x, acts["qs"], acts["dc"], I32(m), I32(k), I32(sb), I32(layout == "mmq_ds4")))
     else:
         quantize_q8_1(mods, x, acts)
 
 
-def q8_1_to_host(acts: Any, m: int, k: int) -> Any:
+def q8_1_to_host(acts: Any, m: int, k: int, layout: str = "") -> Any:
     from kernels.reference import Q8_1
 
-    if isinstance(acts, dict) and "dc" in acts:  # mmq: untile (d from the (d, -12582912 d) pairs)
+    if isinstance(acts, dict) and "dc" in acts:  # mmq: untile (d from the (d 2^111, -d 2^-19) pairs); no sums
         mt, sb = mmq_tiles(m, k, MMQ_BM)
         kb, kbp = k // QK, sb * MMQ_BKB
         qs = cupy.asnumpy(acts["qs"]).reshape(mt, sb, MMQ_BM // 8, 8, 8, 16).transpose(0, 2, 4, 1, 3, 5)
         dc = cupy.asnumpy(acts["dc"]).reshape(mt, sb, MMQ_BKB, MMQ_BM, 2).transpose(0, 3, 1, 2, 4)
-        s = cupy.asnumpy(acts["s"]).reshape(mt, sb, MMQ_BM, MMQ_BKB).transpose(0, 2, 1, 3)
+        d = dc.reshape(-1, kbp, 2)[:m, :kb, 0] * np.float32(2.0 ** -111)  # exact
         return Q8_1(np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k]),
-                    dc.reshape(-1, kbp, 2)[:m, :kb, 0].astype(np.float16),
-                    np.ascontiguousarray(s.reshape(-1, kbp)[:m, :kb]))
+                    d.astype(np.float16) if layout == "mmq_ds4" else np.ascontiguousarray(d),
+                    np.zeros((m, kb), dtype=np.float16))
     if isinstance(acts, dict):
         ds = cupy.asnumpy(acts["ds"])
         return Q8_1(cupy.asnumpy(acts["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
@@ -135,18 +142,8 @@ def q8_1_to_host(acts: Any, m: int, k: int) -> Any:
 
 MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
 MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4
-MMQ_RING = 8  # Q4_0's s-term ring: slots of a stage's s_a and d_w halves, apart from the stage buffers
-
-
-def mmq_smem(t: str) -> int:
-    """MmqSmem<S_TERM>::BYTES: the stage buffers, Q4_0's s-term ring and the stages' mbarriers."""
-    ring = MMQ_RING * MMQ_BKB * (MMQ_BM + MMQ_BN) * 2 if t == "q4_0" else 0
-    return MMQ_STAGES * (MMQ_STAGE + 8) + ring
-
-
-def mmq_wgmma_smem(t: str) -> int:
-    """MmqWgSmem::BYTES: mmq's, then (128-byte aligned) the 2 KiB tile of -128s its bias wgmmas read."""
-    return cdiv(mmq_smem(t), 128) * 128 + 2048
+MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and their mbarriers
+MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 2 KiB tile of -128s
 
 
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
@@ -169,14 +166,11 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     if splits > 1:
         y.fill(0)
     grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
-    waves = math.prod(grid) > MMQ_BLOCKS_PER_SM * mods.sm_count
-    # mmq_waves_*: the same kernel compiled for grids of several waves (fast.cu's MmqUnroll says why)
-    fn = mods.function("fast.cu", f"{base}_waves_{t}" if base == "mmq" and waves else f"{base}_{t}")
-    threads, smem = (MMQ_THREADS, mmq_smem(t)) if base == "mmq" else (2 * MMQ_THREADS, mmq_wgmma_smem(t))
+    fn = mods.function("fast.cu", base)  # one kernel for every weight type (its layouts carry the format)
+    threads, smem = (MMQ_THREADS, MMQ_SMEM) if base == "mmq" else (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
-    fn(grid, (threads,),
-       (w["wq"], w["wd"], w["wh"], a["qs"], a["dc"], a["s"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
+    fn(grid, (threads,), (w["wq"], w["wd"], a["qs"], a["dc"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
        shared_mem=smem)
 
 
@@ -221,7 +215,7 @@ def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     return {"gguf": n * kb * fmt.block_bytes,
             "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
             "f16": n * k * 2, "f32": n * k * 4,
-            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + 4 + 2)}[layout]
+            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + 4)}[layout]
 
 
 def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int, k: int) -> dict[str, cupy.ndarray]:
@@ -249,21 +243,17 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
-        qp[:n, :k] = q.astype(np.int8)  # Q4_0's 0..15 and Q8_0's int8 alike
-        wd = np.zeros((rows, kbp), dtype=np.float32)  # what the epilogue multiplies by
-        wd[:n, :kb] = d.astype(np.float32) * (-0.125 if type_name == "Q4_0" else 1.0)
-        wh = np.zeros((rows, kbp), dtype=np.float16)  # Q4_0's s-term MMA reads d_w as half
-        wh[:n, :kb] = d
+        qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8)
+        wd = np.zeros((rows, kbp), dtype=np.float32)  # d_w, what the epilogue multiplies by
+        wd[:n, :kb] = d.astype(np.float32)
 
-        def tiled(a: np.ndarray, per_row: int, block_major: bool) -> cupy.ndarray:
-            t = a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 3, 1) if block_major else \
-                a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 1, 3)
+        def tiled(a: np.ndarray, per_row: int) -> cupy.ndarray:  # [tile][stage][block][row]
+            t = a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 3, 1)
             return cupy.asarray(np.ascontiguousarray(t).reshape(-1))
 
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
-        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": tiled(wd, MMQ_BKB, True),
-                "wh": tiled(wh, MMQ_BKB, False)}
+        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": tiled(wd, MMQ_BKB)}
     raise ValueError(f"unknown weight layout {layout!r}")
 
 

@@ -34,27 +34,49 @@ __device__ __forceinline__ int pack4(const int* q) {
     return (q[0] & 0xff) | (q[1] & 0xff) << 8 | (q[2] & 0xff) << 16 | (q[3] & 0xff) << 24;
 }
 
+// llama.cpp's MMQ activations (quantize_mmq_q8_1): d_inv = 127/amax, q = roundf(x*d_inv), d = 1/d_inv, in
+// IEEE fp32 (llama.cpp builds with -use_fast_math, whose approximate divisions differ in the last bit for
+// some amax: docs/parity.md measures how rarely that moves a q).  The int8 conversion saturates and takes
+// NaN to 0 (PTX's cvt), which only matters where d_inv overflows (amax < 127/FLT_MAX): there d = 0.
+template <int N>
+__device__ __forceinline__ float mmq_quants(const float (&x)[N], float amax, int (&q)[N]) {
+    const float d_inv = 127.0f / amax;
+#pragma unroll
+    for (int j = 0; j < N; ++j) q[j] = max(-128, min(127, __float2int_rn(roundf(x[j] * d_inv))));
+    return 1.0f / d_inv;
+}
+
 struct Q8_1Block4 {
     int packed;   // this thread's 4 quants
-    float d, sum; // the block's scale and sum (the same in all 8 threads)
+    float d, sum; // the block's scale and sum (the same in all 8 threads; MMQ: no sum)
 };
 
 // Four consecutive values a thread (one float4 load), 8 threads a block: the butterfly's offsets 16, 8, 4
 // are lane xors 4, 2, 1; offsets 2, 1 are inside the thread: (v0 + v2) + (v1 + v3).
+// MMQ: llama.cpp's MMQ rounding (mmq_quants) and no sum (its Q4_0 and Q8_0 formulas read none).
+template <bool MMQ = false>
 __device__ __forceinline__ Q8_1Block4 quantize4(float4 v) {
     float s[4] = {v.x, v.y, v.z, v.w};
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));  // max: any order
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) {
+        if constexpr (!MMQ) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+            for (int j = 0; j < 4; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+        }
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     }
     Q8_1Block4 r;
-    r.sum = (s[0] + s[2]) + (s[1] + s[3]);
-    r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's d bit for bit
     const float x[4] = {v.x, v.y, v.z, v.w};
     int q[4];
+    if constexpr (MMQ) {
+        r.sum = 0.0f;
+        r.d = mmq_quants<4>(x, amax, q);
+        r.packed = pack4(q);
+        return r;
+    }
+    r.sum = (s[0] + s[2]) + (s[1] + s[3]);
+    r.d = amax / 127.0f;  // IEEE division (no fast math): the reference's d bit for bit
     round_quants<4>(x, amax, r.d, q);
     r.packed = pack4(q);
     return r;
@@ -91,28 +113,25 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
     if (i % QK == 0) ds[i / QK] = make_half2(__float2half(r.d), __float2half(r.sum));
 }
 
-// The layout `mmq` reads: every array tiled by 64 rows and by stages of 4 quant blocks (128 values of K),
-// each (row tile, stage) one contiguous piece, so that the GEMM copies a stage with fixed offsets:
+// The layout `mmq` reads, llama.cpp's MMQ activations (its quantize_mmq_q8_1): every array tiled by 64 rows
+// and by stages of 4 quant blocks (128 values of K), each (row tile, stage) one contiguous piece, so that the
+// GEMM copies a stage with fixed offsets:
 //   qs: [M/64][SB][64 x 128] int8, 8 KiB a piece in core-matrix order: byte (r, k) at
 //       ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16 (see fast.cu's mmq)
-//   dc: [M/64][SB][4 blocks][64 rows] float2 (d, -12582912*d), d the half-rounded scale: the GEMM's
-//       epilogue turns its magic-biased int32 into d*sumi with one FFMA
-//   s:  [M/64][SB][64 rows][4 blocks] half (sum x)
-// with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = s = 0 here
-// (their quants meet zero weights).
+//   dc: [M/64][SB][4 blocks][64 rows] float2 (d * 2^111, -d * 2^-19): the GEMM's epilogue turns its
+//       2^19-biased int32 into d*sumi*2^-38 with one FFMA (fast.cu); d is the block's scale in float
+//       (llama.cpp's D4 layout, Q8_0 weights) or rounded to half (DS4, Q4_0), per `half_d`
+// with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = 0 here
+// (their quants meet zero weights).  Both products are exact: powers of two times d (|d| < 2^16).
 
 // A block's scales into the mmq layout (its row mr of the row tile whose first piece is `piece`); the last
 // block of a row also zeroes the padding blocks of its last stage.
-__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, __half* __restrict__ s, size_t piece,
-                                                 int mr, int kb, int KB, int SB, float d, float sum) {
-    const float dh = __half2float(__float2half(d));
-    dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(dh, -12582912.0f * dh);
-    s[((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3)] = __float2half(sum);
+__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, size_t piece, int mr, int kb, int KB,
+                                                 int SB, float d, int half_d) {
+    const float dd = half_d ? __half2float(__float2half(d)) : d;
+    dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(dd * 0x1p111f, dd * -0x1p-19f);
     if (kb == KB - 1)
-        for (int kp = kb + 1; kp < 4 * SB; ++kp) {
-            dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
-            s[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
-        }
+        for (int kp = kb + 1; kp < 4 * SB; ++kp) dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
 }
 
 // Small grids: a warp quantizes G consecutive blocks of 4 consecutive rows (8 lanes a row, as in the kernels
@@ -121,8 +140,8 @@ __device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, __half
 // (parallelism), G = 2 or 4 above (loads in flight): at M = 512, K = 14336, G = 1 ran four waves of one
 // load each, latency-bound (17.3 us against 14.9 with G = 4).
 template <int G>
-__device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
-                             __half* __restrict__ s, int M, int K, int SB) {
+__device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, int M, int K,
+                             int SB, int half_d) {
     const int KB = K / QK, lane = threadIdx.x % WARP;
     const unsigned KG = (KB + G - 1) / G, warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
@@ -137,28 +156,25 @@ __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, f
     const size_t piece = (size_t)(m >> 6) * SB;  // this row tile's first piece
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        const Q8_1Block4 r = quantize4(v[g]);
+        const Q8_1Block4 r = quantize4<true>(v[g]);
         const int kb = kb0 + g, kk = ((kb & 3) << 5) + (lane & 7) * 4;
         if (m >= M || kb >= KB) continue;
         const int within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
         *reinterpret_cast<int*>(qs + ((piece + (kb >> 2)) << 13) + within) = r.packed;
-        if ((lane & 7) == 0) store_mmq_scales(dc, s, piece, mr, kb, KB, SB, r.d, r.sum);
+        if ((lane & 7) == 0) store_mmq_scales(dc, piece, mr, kb, KB, SB, r.d, half_d);
     }
 }
 #define QUANTIZE_MMQ(G, name)                                                                                   \
-    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, __half* s, int M, int K, int SB) {     \
-        quantize_mmq<G>(x, qs, dc, s, M, K, SB);                                                                \
+    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, int M, int K, int SB, int half_d) {    \
+        quantize_mmq<G>(x, qs, dc, M, K, SB, half_d);                                                           \
     }
 QUANTIZE_MMQ(1, quantize_q8_1_mmq)
 QUANTIZE_MMQ(2, quantize_q8_1_mmq2)
 QUANTIZE_MMQ(4, quantize_q8_1_mmq4)
 
 // Big grids (launch.py: from ~16 warps an SM): two lanes a block, 16 values each, a quarter of the
-// instructions.  Lane h (0 or 1) of a block holds the values p = 4h + 8i + j (i, j = 0..3), so that the
-// butterfly's offsets 16 (i with i + 2) and 8 (i = 0 with 1) are inside the thread, offset 4 is one
-// shuffle (h = 0 with 1: both lanes get the same sum) and offsets 2, 1 are inside the thread again:
-// 4 shuffles for a block's sum where the kernel above takes 12 a lane, and one division pair for 16
-// values.  Read straight from global memory that layout fetched a quarter of each 128-byte line per
+// instructions.  Lane h (0 or 1) of a block holds the values p = 4h + 8i + j (i, j = 0..3): one shuffle
+// (h = 0 with 1) gives both lanes the block's amax, and one division pair serves 16 values.  Read straight from global memory that layout fetched a quarter of each 128-byte line per
 // load (a read-only kernel with it: 3.9 us against 2.3 coalesced at M = 512, K = 4096), so a warp loads
 // its 8 rows x 2 blocks coalesced (a half-warp per row: 256 contiguous bytes) and reorders them through
 // shared memory, chunk c of row r at c ^ r (no bank conflicts either way).  The two lanes then swap half
@@ -168,8 +184,8 @@ QUANTIZE_MMQ(4, quantize_q8_1_mmq4)
 // M = 2048 K = 4096 15.7 -> 14.6; slower on small grids (M = 128 K = 4096 2.3 -> 2.6 us), which keep the
 // kernel above.
 extern "C" __global__ void __launch_bounds__(256)
-quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, __half* __restrict__ s,
-                       int M, int K, int SB) {
+quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, int M, int K,
+                       int SB, int half_d) {
     __shared__ float4 stage[8][16][8];  // a warp's 16 (row, block) pairs x 8 chunks of 4 values
     const int KB = K / QK, lane = threadIdx.x % WARP, w = threadIdx.x / WARP, h = (lane >> 3) & 1;
     const unsigned KW = (KB + 1) / 2, warp = blockIdx.x * (blockDim.x / WARP) + w;
@@ -189,19 +205,12 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
         const float4 v = stage[w][2 * r + (lane >> 4)][(2 * i + h) ^ r];
         xs[4 * i] = v.x, xs[4 * i + 1] = v.y, xs[4 * i + 2] = v.z, xs[4 * i + 3] = v.w;
     }
-    float amax = 0.0f, c[4];
+    float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(xs[j]));  // max: any order
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float b = (xs[j] + xs[8 + j]) + (xs[4 + j] + xs[12 + j]);  // offsets 16, then 8
-        c[j] = b + __shfl_xor_sync(0xffffffffu, b, 8);                   // offset 4
-    }
-    const float sum = (c[0] + c[2]) + (c[1] + c[3]);                      // offsets 2, 1
-    const float d = amax / 127.0f;
     int q[16];
-    round_quants<16>(xs, amax, d, q);
+    const float d = mmq_quants<16>(xs, amax, q);
     const int w0 = pack4(q), w1 = pack4(q + 4), w2 = pack4(q + 8), w3 = pack4(q + 12);
     // values 0..15 are (h0 w0, h1 w0, h0 w1, h1 w1), values 16..31 (h0 w2, h1 w2, h0 w3, h1 w3)
     const int r0 = __shfl_xor_sync(0xffffffffu, h ? w0 : w2, 8), r1 = __shfl_xor_sync(0xffffffffu, h ? w1 : w3, 8);
@@ -211,5 +220,5 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
     const int within = ((((mr >> 3) << 3) + chunk) << 7) + ((mr & 7) << 4);
     *reinterpret_cast<int4*>(qs + ((piece + (kb >> 2)) << 13) + within) = h ? make_int4(r0, w2, r1, w3)
                                                                               : make_int4(w0, r0, w1, r1);
-    if (h == 0) store_mmq_scales(dc, s, piece, mr, kb, KB, SB, d, sum);
+    if (h == 0) store_mmq_scales(dc, piece, mr, kb, KB, SB, d, half_d);
 }
