@@ -49,8 +49,12 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     if settings.gil_switch_us is not None:
         sys.setswitchinterval(settings.gil_switch_us / 1e6)
     # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                loop="uvloop", http="httptools", access_log=settings.access_log)
+    options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
+                                   loop="uvloop", http="httptools", access_log=settings.access_log)
+    if settings.workers > 1:  # each worker process builds its app from the environment (QGEMM_*)
+        uvicorn.run("app.main:create_app", factory=True, workers=settings.workers, **options)
+    else:
+        uvicorn.run(create_app(settings), **options)
     return 0
 
 
