@@ -37,6 +37,27 @@ def test_dependent_launch_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings.from_env()
 
 
+def test_serve_with_workers_runs_the_app_factory_per_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """QGEMM_WORKERS > 1: uvicorn starts that many processes from the import string (each builds its app
+    from the environment); 1: the app built here, in this process.  0 is refused."""
+    import argparse
+
+    import uvicorn
+
+    calls: list[tuple[object, dict]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    args = argparse.Namespace(host=None, port=8123)
+    for workers in (3, 1):
+        monkeypatch.setenv("QGEMM_WORKERS", str(workers))
+        assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu")) == 0
+    (app3, kw3), (app1, kw1) = calls
+    assert app3 == "app.main:create_app" and kw3["factory"] and kw3["workers"] == 3 and kw3["port"] == 8123
+    assert not isinstance(app1, str) and "workers" not in kw1 and kw1["loop"] == "uvloop"
+    monkeypatch.setenv("QGEMM_WORKERS", "0")
+    with pytest.raises(ValueError):
+        Settings.from_env()
+
+
 def test_dependent_launch_needs_hopper_and_marshals_only_known_arguments() -> None:
     import numpy as np
 
