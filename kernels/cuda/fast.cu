@@ -47,7 +47,6 @@
 #define MMQ_BIAS 0x00080000  // mmq's: 2^19 (the epilogue above)
 
 // The accumulators hold out * 2^-38 (the epilogue above); the store multiplies back.
-#define WG_SCALE 0x1p-38f
 #define WG_UNSCALE 0x1p38f
 
 // Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then the
