@@ -46,8 +46,6 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     path, wrote = ensure_demo(settings.models_dir)
     if wrote:
         print(f"wrote the demo model: {path}")
-    if settings.gil_switch_us is not None:
-        sys.setswitchinterval(settings.gil_switch_us / 1e6)
     # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
     options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
                                    loop="uvloop", http="httptools", access_log=settings.access_log)

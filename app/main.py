@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +25,8 @@ log = logging.getLogger("qgemm")
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
+    if settings.gil_switch_us is not None:  # here, so that every worker process (QGEMM_WORKERS) takes it
+        sys.setswitchinterval(settings.gil_switch_us / 1e6)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
