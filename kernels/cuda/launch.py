@@ -68,6 +68,9 @@ def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
     return cdiv(rows, tile), cdiv(k // QK, MMQ_BKB)
 
 
+MMQ_HALF_D = {"mmq_d4": 0, "mmq_ds4": 1}  # the MMQ activation layouts: whether d_a is rounded to half
+
+
 def activation_layout(spec: KernelSpec, type_name: str) -> str:
     """The layout a kernel's activations are quantized into for weights of this type: its own, and for the
     MMQ kernels the format's scale layout as well ("mmq_d4": d_a in float; "mmq_ds4": d_a a half)."""
@@ -80,7 +83,7 @@ def q8_1_buffers(layout: str, m: int, k: int) -> Any:
     """Device buffers for activations quantized into `layout` (uninitialised)."""
     if layout == "split":
         return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
-    if layout.startswith("mmq"):  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
+    if layout in MMQ_HALF_D:  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
         pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
         return {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
                 "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
@@ -112,12 +115,12 @@ def quantize_mmq_kernel(sm_count: int, m: int, k: int) -> str:
 def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
     if layout == "split":
         quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
-    elif layout in ("mmq_d4", "mmq_ds4"):
+    elif layout in MMQ_HALF_D:
         m, k = x.shape
         sb = mmq_tiles(m, k, MMQ_BM)[1]
         name = quantize_mmq_kernel(mods.sm_count, m, k)
         mods.function("q8_1.cu", name)((cdiv(quantize_mmq_warps(name, m, k), 8),), (256,),
-                                       (x, acts["qs"], acts["dc"], I32(m), I32(k), I32(sb), I32(layout == "mmq_ds4")))
+                                       (x, acts["qs"], acts["dc"], I32(m), I32(k), I32(sb), I32(MMQ_HALF_D[layout])))
     else:
         quantize_q8_1(mods, x, acts)
 
@@ -132,7 +135,7 @@ def q8_1_to_host(acts: Any, m: int, k: int, layout: str = "") -> Any:
         dc = cupy.asnumpy(acts["dc"]).reshape(mt, sb, MMQ_BKB, MMQ_BM, 2).transpose(0, 3, 1, 2, 4)
         d = dc.reshape(-1, kbp, 2)[:m, :kb, 0] * np.float32(2.0 ** -111)  # exact
         return Q8_1(np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k]),
-                    d.astype(np.float16) if layout == "mmq_ds4" else np.ascontiguousarray(d),
+                    d.astype(np.float16) if MMQ_HALF_D.get(layout) else np.ascontiguousarray(d),
                     np.zeros((m, kb), dtype=np.float16))
     if isinstance(acts, dict):
         ds = cupy.asnumpy(acts["ds"])
@@ -246,14 +249,12 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8)
         wd = np.zeros((rows, kbp), dtype=np.float32)  # d_w, what the epilogue multiplies by
         wd[:n, :kb] = d.astype(np.float32)
-
-        def tiled(a: np.ndarray, per_row: int) -> cupy.ndarray:  # [tile][stage][block][row]
-            t = a.reshape(nt, MMQ_BN, sb, per_row).transpose(0, 2, 3, 1)
-            return cupy.asarray(np.ascontiguousarray(t).reshape(-1))
+        wd_tiles = wd.reshape(nt, MMQ_BN, sb, MMQ_BKB).transpose(0, 2, 3, 1)  # [tile][stage][block][row]
 
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
-        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": tiled(wd, MMQ_BKB)}
+        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)),
+                "wd": cupy.asarray(np.ascontiguousarray(wd_tiles).reshape(-1))}
     raise ValueError(f"unknown weight layout {layout!r}")
 
 
