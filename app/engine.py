@@ -238,6 +238,16 @@ class Engine:
                 loaded.append({"tensor": info.name, "layout": spec.weight_layout, "n_bytes": nbytes})
         return loaded
 
+    def forget(self, model: Model) -> None:
+        """The store retired this file version (its file changed or went): drop its prepared and resident
+        weights, each on the worker thread that fills them, so that no fill in flight outlives the drop."""
+        try:
+            self._cpu_worker.submit(self.cpu.forget, model.version_key)
+            if self.cuda is not None:
+                self.cuda.forget(model.version_key)
+        except RuntimeError:  # shutting down: the workers are gone, and their memory with them
+            pass
+
     def close(self) -> None:
         if self.cuda is not None:
             self.cuda.close()

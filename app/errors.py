@@ -1,13 +1,19 @@
-"""One error shape for every failure: {"error": {"code", "message"}} with the right status."""
+"""One error shape for every failure: {"error": {"code", "message"}} with the right status, and the
+guard that turns an exception nothing else handled into such an answer without losing the connection."""
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from models.store import FileChanged
 
 log = logging.getLogger("qgemm")
 
@@ -18,8 +24,11 @@ class ApiError(Exception):
         self.status, self.code, self.message, self.headers = status, code, message, headers
 
 
-def error_body(code: str, message: str) -> dict:
-    return {"error": {"code": code, "message": message}}
+def error_body(code: str, message: str, request_id: str | None = None) -> dict:
+    detail = {"code": code, "message": message}
+    if request_id is not None:
+        detail["request_id"] = request_id
+    return {"error": detail}
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -40,12 +49,60 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail),
                               getattr(exc, "headers", None))
 
+    @app.exception_handler(FileChanged)
+    async def _file_changed(_: Request, exc: FileChanged) -> JSONResponse:
+        return error_response(409, "model_changed", f"{exc}; the server reads it again: retry the request")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5]]
         return error_response(400, "bad_request", "; ".join(parts) or "invalid request")
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, "internal", f"internal error: {type(exc).__name__}")
+
+def request_id(scope: Scope) -> str:
+    """The client's X-Request-Id when it sent a sane one (so that its logs and ours meet), else a new one."""
+    for name, value in scope.get("headers") or ():
+        if name == b"x-request-id" and 0 < len(value) <= 128 and value.isascii() and value.decode().isprintable():
+            return value.decode()
+    return uuid.uuid4().hex
+
+
+class Unhandled:
+    """ASGI middleware: an exception that no handler turned into an answer becomes a JSON 500 with a
+    request id, logged with its traceback under the same id, and the call returns normally.
+
+    Starlette's own last resort (ServerErrorMiddleware) answers and then re-raises, and uvicorn closes
+    a connection whose application raised: the client's next request on it was reset.  Returning here
+    keeps the connection usable.  When half an answer is already out, closing is the only honest end,
+    so the exception goes on.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            rid = request_id(scope)
+            log.error("unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"), rid,
+                      exc_info=exc)
+            if started:
+                raise
+            body = json.dumps(error_body("internal", f"internal error ({type(exc).__name__}); quote request id "
+                                                     f"{rid} when reporting it", rid)).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"x-request-id", rid.encode())]})
+            await send({"type": "http.response.body", "body": body})

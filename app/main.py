@@ -30,11 +30,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = ModelStore(settings.models_dir)
+        engine = Engine(settings)
+        store = ModelStore(settings.models_dir, settings.max_header_bytes, on_retire=engine.forget)
         for m in store.scan():
             if m.status != "ok":
                 log.warning("model %s: %s", m.id, m.error)
-        engine = Engine(settings)
         app.state.store, app.state.engine = store, engine
         engine.scheduler.observe = metrics.observe_batch
         metrics.track(engine.scheduler.depth, engine.cuda.memory if engine.cuda is not None else None)
@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(v1)
     # the hot path first: the same handler as the documented POST /v1/matmul, minus FastAPI's solving
     app.router.routes.insert(0, Route("/v1/matmul", matmul.fast_matmul, methods=["POST"], include_in_schema=False))
+    app.add_middleware(errors.Unhandled)  # innermost of ours: the metrics count its 500s
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics, templates=lambda: list(app.openapi()["paths"]))
     return app

@@ -2,7 +2,8 @@
 
 Routes declare the statuses their own logic answers (`errors(404, 422)`); the statuses that the
 request guards answer on every route (400 for a malformed Content-Length or request, 413 for a body
-over the limit, 401 when an API key is set) are added here, once, with the bearer security scheme.
+over the limit, 401 when an API key is set, 500 with a request id for a fault of the server's own)
+are added here, once, with the bearer security scheme.
 FastAPI's default 422 (its HTTPValidationError model) is removed: validation errors answer 400 with
 `ErrorResponse` (app/errors.py), so that entry would describe a body the server never sends.
 """
@@ -22,15 +23,18 @@ WHY = {
     401: "Missing or wrong API key (`unauthorized`): send `Authorization: Bearer <QGEMM_API_KEY>`.",
     404: "No such model or tensor (`model_not_found`, `tensor_not_found`, `not_found`).",
     409: "The request is well formed but the server's state refuses it (`no_gpu`: nothing to load on the CPU "
-         "backend; `model_unreadable`: the model's file cannot be read).",
+         "backend; `model_unreadable`: the model's file cannot be read; `model_changed`: the file changed while it "
+         "was read, retry).",
     413: "The body is over QGEMM_MAX_BODY_BYTES (`body_too_large`).",
     415: "Content-Type is neither application/json nor application/x-npy (`unsupported_media_type`).",
     422: "Well formed, but it cannot be computed with this tensor on this server: shape (`bad_shape`, "
          "`k_mismatch`, `too_many_rows`), values (`non_finite`, `activation_out_of_range`, `product_out_of_range`), "
          "`bad_dtype`, `unsupported_tensor`, `unknown_kernel`, `kernel_cannot_run`.",
+    500: "A fault of the server's own (`internal`), never an answer to what the client sent: the error carries a "
+         "`request_id` under which the server logged it, and the connection stays usable.",
     503: "The GPU is out of memory for these weights (`gpu_out_of_memory`); retry after the Retry-After seconds.",
 }
-GUARDS = (400, 413)  # BodyLimit and request validation, on every route
+GUARDS = (400, 413, 500)  # BodyLimit, request validation and errors.Unhandled, on every route
 ERROR_REF = "#/components/schemas/ErrorResponse"
 
 

@@ -25,6 +25,8 @@ TensorName = Annotated[str, Path(description="a tensor name from GET /v1/models/
 class ErrorDetail(BaseModel):
     code: str
     message: str
+    request_id: str | None = Field(None, description="on 500 `internal` only: the id under which the server "
+                                                     "logged the error (the client's X-Request-Id if it sent one)")
 
 
 class ErrorResponse(BaseModel):

