@@ -153,6 +153,12 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
+    from app.soak import main as soak_main
+
+    return soak_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=None, help="client processes (default: half the CPUs)")
     p.add_argument("--label", default=None, help="a label written into each result row")
     p.add_argument("--out", default=None, help="write the JSON rows here (default: stdout)")
+    p = sub.add_parser("soak", help="run a server under concurrent products while its model files are rewritten; "
+                                    "report 5xx, resets, wrong products and memory (exit 1 if any fails)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--rewrite-every", type=float, default=2.0, help="seconds between rewrites of the soak model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
     settings = Settings.from_env()
     commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench,
-                "loadtest": cmd_loadtest}
+                "loadtest": cmd_loadtest, "soak": cmd_soak}
     return commands[args.command](args, settings)
 
 

@@ -69,11 +69,12 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def send(self) -> tuple[int, dict[str, str]]:
+    async def send(self, request: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        """Send `request` (default: the prepared one); the answer's status, headers and body."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
         assert self.reader is not None
-        self.writer.write(self.request)
+        self.writer.write(request or self.request)
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
@@ -82,10 +83,10 @@ class Connection:
             name, _, value = line.partition(":")
             if name:
                 headers[name.strip().lower()] = value.strip()
-        await self.reader.readexactly(int(headers.get("content-length", "0")))
+        body = await self.reader.readexactly(int(headers.get("content-length", "0")))
         if headers.get("connection", "").lower() == "close":
             self.close()
-        return status, headers
+        return status, headers, body
 
     def close(self) -> None:
         if self.writer is not None:
@@ -93,13 +94,18 @@ class Connection:
         self.reader = self.writer = None
 
 
-def _request_bytes(plan: Plan) -> tuple[str, int, bytes]:
-    url, headers, body = _body(plan)
+def request_bytes(method: str, url: str, headers: dict[str, str], body: bytes = b"") -> tuple[str, int, bytes]:
+    """(host, port, the HTTP/1.1 request's bytes)."""
     parts = urlsplit(url)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    head = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(body)}",
+    head = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(body)}",
             *(f"{k}: {v}" for k, v in headers.items())]
     return parts.hostname or "127.0.0.1", parts.port or 80, ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _request_bytes(plan: Plan) -> tuple[str, int, bytes]:
+    url, headers, body = _body(plan)
+    return request_bytes("POST", url, headers, body)
 
 
 async def _clients(plan: Plan, n: int, start_at: float, counter: Any) -> dict[str, Any]:
@@ -119,7 +125,7 @@ async def _clients(plan: Plan, n: int, start_at: float, counter: Any) -> dict[st
         while time.time() < end:
             t0 = time.perf_counter()
             try:
-                status, headers = await conn.send()
+                status, headers, _ = await conn.send()
             except Exception as exc:  # a dropped connection counts, and the next request reconnects
                 conn.close()
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, quants
 
-from models.store import Model, TensorInfo
+from models.store import Model, TensorInfo, field_contents
 
 ARRAY_HEAD = 8  # items shown of a long array
 ARRAY_FULL = 16  # arrays up to this length are shown whole
@@ -34,10 +34,10 @@ def field_summary(field: Any) -> Any:
         n = len(field.data)
         item_type = types[-1].name if len(types) > 1 else "UNKNOWN"
         if n <= ARRAY_FULL:
-            return [_value(x) for x in field.contents()]
+            return [_value(x) for x in field_contents(field)]
         return {"type": "ARRAY", "item_type": item_type, "length": n,
-                "first": [_value(x) for x in field.contents(slice(0, ARRAY_HEAD))]}
-    return _value(field.contents())
+                "first": [_value(x) for x in field_contents(field, slice(0, ARRAY_HEAD))]}
+    return _value(field_contents(field))
 
 
 def header(model: Model) -> dict[str, Any]:
@@ -45,9 +45,9 @@ def header(model: Model) -> dict[str, Any]:
     assert r is not None
     f = r.fields
     return {
-        "version": int(f["GGUF.version"].contents()),
-        "tensor_count": int(f["GGUF.tensor_count"].contents()),
-        "kv_count": int(f["GGUF.kv_count"].contents()),
+        "version": int(field_contents(f["GGUF.version"])),
+        "tensor_count": int(field_contents(f["GGUF.tensor_count"])),
+        "kv_count": int(field_contents(f["GGUF.kv_count"])),
         "alignment": int(r.alignment),
         "data_offset": int(r.data_offset),
         "byte_order": "little" if r.byte_order == "I" else "big",

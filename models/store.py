@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from kernels.formats import FORMATS, MATMUL_TYPES
 
@@ -110,7 +110,7 @@ class Model:
         if self.reader is None:
             return None
         f = self.reader.fields.get("general.architecture")
-        return str(f.contents()) if f is not None else None
+        return str(field_contents(f)) if f is not None else None
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (values for F32/F16) in the shape gguf's reader gives them, read from the
@@ -133,6 +133,20 @@ class Model:
         except FileNotFoundError:
             raise FileChanged(f"model {self.id!r}: {self.path.name} was removed") from None
         return out.view(dtype).reshape(shape)
+
+
+def field_contents(field: Any, index: int | slice = slice(None)) -> Any:
+    """A metadata field's value (gguf's `contents`), with strings that are not UTF-8 decoded with U+FFFD
+    for the bad bytes instead of raising: a file's bytes are whatever its writer put there."""
+    try:
+        return field.contents(index)
+    except UnicodeDecodeError:
+        def text(part: np.ndarray) -> str:
+            return part.tobytes().decode("utf-8", "replace")
+        if field.types[0] == GGUFValueType.STRING:
+            return text(field.parts[-1])
+        picked = field.data[index]
+        return text(field.parts[picked]) if isinstance(index, int) else [text(field.parts[i]) for i in picked]
 
 
 class _HeaderReader(GGUFReader):
@@ -178,7 +192,8 @@ def _read_header(fh: Any, size: int, max_header: int) -> GGUFReader:
         error: Exception | None = None
         with _header_copy(data) as copy:
             try:
-                reader = _HeaderReader(copy, "r")
+                with np.errstate(all="ignore"):  # hostile counts overflow numpy scalars: checked in _open
+                    reader = _HeaderReader(copy, "r")
                 if prefix == size or reader.data_offset < prefix:
                     return reader
             except Exception as exc:  # gguf raises IndexError, ValueError, ... on cut or garbled headers
@@ -212,6 +227,8 @@ def _open(model: Model, max_header: int) -> None:
         n_el = int(t.n_elements)
         if int(np.prod(shape, dtype=object)) != n_el or n_el < 0:
             raise ValueError(f"tensor {t.name!r}: shape {shape} does not hold {n_el} elements")
+        if int(reader.data_offset) + int(t.field.parts[-1][0]) != int(t.data_offset):
+            raise ValueError(f"tensor {t.name!r}: its data offset {int(t.field.parts[-1][0])} overflows 64 bits")
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ValueError(f"tensor {t.name!r} ends at byte {end}, past the end of the file "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 
 import numpy as np
@@ -83,11 +84,18 @@ def parse_npy(body: bytes) -> np.ndarray:
         raise ApiError(400, "bad_npy", "body is not a readable .npy array: object arrays (pickles) are refused")
     if dtype.kind != "f" or dtype.itemsize not in (4, 8):
         raise ApiError(422, "bad_dtype", f".npy activations must be float32 or float64, not {dtype}")
-    count = int(np.prod(shape))
+    if any(d < 0 for d in shape):  # numpy's reader passes them, and frombuffer reads count -1 as "all of it"
+        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: negative dimension in {list(shape)}")
+    count = math.prod(shape)  # Python's ints: numpy's product wraps past 2^63 and would pass the check below
     if len(body) - offset < count * dtype.itemsize:
         raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {shape} {dtype} needs "
                                        f"{count * dtype.itemsize} bytes of data, the body has {len(body) - offset}")
-    return np.frombuffer(body, dtype, count, offset).reshape(shape, order="F" if fortran else "C")
+    if len(shape) != 2:
+        raise ApiError(422, "bad_shape", f"activations must be a 2-D [M, K] array; got {len(shape)}-D {list(shape)}")
+    try:
+        return np.frombuffer(body, dtype, count, offset).reshape(shape, order="F" if fortran else "C")
+    except ValueError as exc:  # dims numpy cannot hold even with no data, e.g. [2^62, 0]
+        raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {exc}") from None
 
 
 def server_timing(timing: dict[str, float]) -> str:
