@@ -112,7 +112,7 @@ class Engine:
             spec = self._auto.get(key)
             if spec is None:
                 spec = (self.cuda.auto(info.type_name, m, n, k) if self.cuda is not None else None) \
-                    or KERNELS[CPU_REFERENCE[llama_formula(m)]]
+                    or KERNELS[CPU_REFERENCE[llama_formula(m, info.type_name)]]
                 if len(self._auto) < 65536:
                     self._auto[key] = spec
             return spec
@@ -176,8 +176,9 @@ class Engine:
                 raise ApiError(422, "non_finite", f"activations contain NaN or infinity (first at row {bad[0][0]}, "
                                                   f"column {bad[0][1]})")
             raise ApiError(422, "non_finite", "activations overflow float32 (|x| > 3.4e38)")
-        if kernel == "auto" or spec.quantizes:  # auto may pick a Q8_1 kernel at any batch M
-            fmt = format_of(info.type_name)
+        fmt = format_of(info.type_name)
+        if spec.quantizes or (kernel == "auto" and fmt is not None and fmt.quantizes_activations):
+            # auto may pick a Q8_1 kernel at any batch M
             overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum, amax=amax)
             if overflow is not None:
                 raise ApiError(422, "activation_out_of_range", f"activations out of range for {spec.name}: {overflow}")

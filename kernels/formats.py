@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-QK = 32  # values per block for Q4_0, Q8_0, Q4_1 and Q8_1
+QK = 32  # values per block of every legacy format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q8_1
 
 
 @dataclass(frozen=True)
@@ -23,42 +23,61 @@ class BlockFormat:
     matmul: bool  # weights of this type can be multiplied
     layout: str   # one line: what a block holds
     offset: int = 0  # unsigned quants: x = d*(q - offset); llama.cpp's dot with Q8_1 takes it back as offset*s_a
+    has_min: bool = False  # x = d*q + m: the dot with Q8_1 adds m_w*s_a per block
+    # llama.cpp's MMVQ multiplies (d_w, m_w) by (d_a, s_a) as half2 (`__hmul2`, FAST_FP16 on sm_60+):
+    # both products rounded to half before they scale sumi and are added (vec_dot_q4_1/q5_1_q8_1_impl)
+    mmvq_half_products: bool = False
     # the activation-scale layout llama.cpp's MMQ (tensor cores, mmq.cuh) quantizes X into for these weights:
     # "D4" keeps each block's d_a in float, "DS4" stores (d_a, s_a) as half2 (its formula reads d_a as a half)
     mmq_ds_layout: str = ""
+    is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
 
     @property
     def uses_activation_sum(self) -> bool:
         """Whether its dot product with Q8_1 reads the activations' block sum s_a (then s_a must fit in half)."""
-        return self.offset != 0
+        return self.offset != 0 or self.has_min
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether llama.cpp multiplies it with Q8_1 activations (block formats) or in floats."""
+        return self.matmul and not self.is_float
 
     def row_bytes(self, k: int) -> int:
         return k // self.block_values * self.block_bytes
 
 
-def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None, offset: int = 0,
-         mmq_ds_layout: str = "") -> BlockFormat:
+def _fmt(t: GGMLQuantizationType, matmul: bool, layout: str, nbytes: int | None = None, **kw: object) -> BlockFormat:
     values, table_bytes = GGML_QUANT_SIZES[t]
-    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout, offset, mmq_ds_layout)
+    return BlockFormat(t.name, t, values, nbytes or table_bytes, matmul, layout, **kw)  # type: ignore[arg-type]
 
 
+T = GGMLQuantizationType
+NIBBLES = "16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high)"
+FIFTH_BITS = "uint32 qh: bit j is q[j]'s fifth bit"
 FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     f.ggml_type: f
     for f in (
-        _fmt(GGMLQuantizationType.Q4_0, True,
-             "half d; 16 bytes of nibbles: byte j holds q[j] (low) and q[j+16] (high); x = d*(q-8)", offset=8,
+        _fmt(T.Q4_0, True, f"half d; {NIBBLES}; x = d*(q-8)", offset=8, mmq_ds_layout="DS4"),
+        _fmt(T.Q4_1, True, f"half d, half m; {NIBBLES}; x = d*q + m", has_min=True, mmvq_half_products=True,
              mmq_ds_layout="DS4"),
-        _fmt(GGMLQuantizationType.Q8_0, True, "half d; 32 int8 q; x = d*q", mmq_ds_layout="D4"),
-        _fmt(GGMLQuantizationType.Q8_1, False,
-             "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
+        _fmt(T.Q5_0, True, f"half d; {FIFTH_BITS}; {NIBBLES} (low 4 bits); x = d*(q-16)", offset=16,
+             mmq_ds_layout="D4"),
+        _fmt(T.Q5_1, True, f"half d, half m; {FIFTH_BITS}; {NIBBLES} (low 4 bits); x = d*q + m", has_min=True,
+             mmvq_half_products=True, mmq_ds_layout="DS4"),
+        _fmt(T.Q8_0, True, "half d; 32 int8 q; x = d*q", mmq_ds_layout="D4"),
+        _fmt(T.Q8_1, False, "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
              nbytes=36),  # llama.cpp's CUDA block_q8_1; gguf-py's table lists an older 40-byte one
-        _fmt(GGMLQuantizationType.Q4_1, False, "half d, half m; 16 bytes of nibbles; x = d*q + m"),
-        _fmt(GGMLQuantizationType.F16, False, "one half per value"),
-        _fmt(GGMLQuantizationType.F32, False, "one float per value"),
+        _fmt(T.F32, True, "one float per value", is_float=True),
+        _fmt(T.F16, True, "one half per value", is_float=True),
+        _fmt(T.BF16, True, "one bfloat16 per value", is_float=True),
     )
 }
 
 MATMUL_TYPES: frozenset[str] = frozenset(f.name for f in FORMATS.values() if f.matmul)
+QUANT_TYPES: tuple[str, ...] = tuple(f.name for f in FORMATS.values() if f.quantizes_activations)  # Q8_1 dots
+# llama.cpp's MMQ multiplies these as signed int8 (q - offset) with one scale a block (vec_dot_q8_0_q8_1_mma)
+MMQ_SIGNED_TYPES: tuple[str, ...] = tuple(t for t in QUANT_TYPES if not FORMATS[GGMLQuantizationType[t]].has_min)
+FLOAT_TYPES: tuple[str, ...] = tuple(f.name for f in FORMATS.values() if f.matmul and f.is_float)
 
 
 def mmq_ds_layout(type_name: str) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from kernels.formats import FORMATS, MATMUL_TYPES, QK
+from kernels.formats import FORMATS, QK, QUANT_TYPES
 
 Q8_1_BLOCK = np.dtype([("ds", "<f2", (2,)), ("qs", "i1", (QK,))])  # 36 bytes, as block_q8_1
 assert Q8_1_BLOCK.itemsize == FORMATS[GGMLQuantizationType.Q8_1].block_bytes
@@ -176,44 +176,69 @@ class BlockWeights:
     """Quantized weights split into integer values and per-block scales, ready for dot products.
 
     q is float32 [K/32, 32, N] (exact small integers, laid out for one matmul per block);
-    d is float32 [K/32, N].  Q4_0 keeps q in 0..15; the -8 is the compensation term's job.
+    d (and m, for formats with a minimum) float32 [K/32, N], exactly the blocks' halves.  Unsigned
+    formats keep q as stored (Q4_0 0..15, Q5_0 0..31); the offset is the compensation term's job.
     """
 
     type_name: str
     q: np.ndarray
     d: np.ndarray
+    m: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes
+        return self.q.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
 
 
-def unpack_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Raw GGUF rows (uint8 [N, row_bytes]) to (q [N, K] integers, d float16 [N, K/32])."""
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 bytes of nibbles to 32 values: q[j] the low nibble of byte j, q[j+16] its high nibble."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """A block's uint32 qh (4 bytes, little-endian) to 32 values of 16: bit j is value j's fifth bit."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32]: byte b's bit i is value 8b+i's
+    return bits.astype(np.uint8) << 4
+
+
+# (header halves: d, or d and m; the bytes after them -> 32 integer values): llama.cpp's block_qX_Y structs
+_DECODE = {
+    "Q4_0": (1, lambda rest: _nibbles(rest)),
+    "Q4_1": (2, lambda rest: _nibbles(rest)),
+    "Q5_0": (1, lambda rest: _nibbles(rest[..., 4:]) | _fifth_bits(rest[..., :4])),
+    "Q5_1": (2, lambda rest: _nibbles(rest[..., 4:]) | _fifth_bits(rest[..., :4])),
+    "Q8_0": (1, lambda rest: rest.view(np.int8)),
+}
+
+
+def unpack_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Raw GGUF rows (uint8 [N, row_bytes]) to (q [N, K] integers, d float16 [N, K/32], m float16 or None)."""
+    if type_name not in _DECODE:
+        raise ValueError(f"no integer unpacking for {type_name}")
+    halves, decode = _DECODE[type_name]
     raw = np.asarray(raw, dtype=np.uint8)
     n = raw.shape[0]
     fmt = FORMATS[GGMLQuantizationType[type_name]]
     blocks = raw.reshape(n, -1, fmt.block_bytes)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-    if type_name == "Q4_0":
-        packed = blocks[..., 2:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # q[j] low nibble, q[j+16] high
-    elif type_name == "Q8_0":
-        q = blocks[..., 2:].view(np.int8)
-    else:
-        raise ValueError(f"no integer unpacking for {type_name}")
-    return q.reshape(n, -1), d
+    head = np.ascontiguousarray(blocks[..., : 2 * halves]).view(np.float16)
+    q = decode(np.ascontiguousarray(blocks[..., 2 * halves:]))
+    return q.reshape(n, -1), head[..., 0], head[..., 1] if halves == 2 else None
 
 
 def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights:
-    q, d = unpack_blocks(type_name, raw)
+    q, d, mins = unpack_blocks(type_name, raw)
     n, k = q.shape
     qt = np.ascontiguousarray(q.reshape(n, k // QK, QK).transpose(1, 2, 0), dtype=np.float32)
-    return BlockWeights(type_name, qt, np.ascontiguousarray(d.T, dtype=np.float32))
+    m = np.ascontiguousarray(mins.T, dtype=np.float32) if mins is not None else None
+    return BlockWeights(type_name, qt, np.ascontiguousarray(d.T, dtype=np.float32), m)
 
 
 def dequantize_weights(type_name: str, raw: np.ndarray) -> np.ndarray:
-    return quants.dequantize(np.asarray(raw), GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
+    """float32 [N, K] (gguf's dequantizer; F32/F16 tensors arrive as their values already)."""
+    raw = np.asarray(raw)
+    if raw.dtype.kind == "f":
+        return raw.astype(np.float32, copy=False)
+    return quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
 
 
 def _block_dots(w: BlockWeights, a: Q8_1, chunk: int, signed: bool = False):
@@ -223,7 +248,7 @@ def _block_dots(w: BlockWeights, a: Q8_1, chunk: int, signed: bool = False):
     kb_total, _, n = w.q.shape
     if k != kb_total * QK:
         raise ValueError(f"K mismatch: activations have {k}, weights {kb_total * QK}")
-    if w.type_name not in MATMUL_TYPES:
+    if w.type_name not in QUANT_TYPES:
         raise ValueError(f"ref_q8_1 has no formula for {w.type_name}")
     qa = a.q.reshape(m, kb_total, QK).transpose(1, 0, 2).astype(np.float32)  # [KB, M, 32]
     da = a.d.astype(np.float32).T  # [KB, M]
@@ -239,16 +264,33 @@ def _block_dots(w: BlockWeights, a: Q8_1, chunk: int, signed: bool = False):
 
 def _offset(type_name: str) -> int:
     """The constant a format's unsigned quants are offset by, taken back through the activations' sum:
-    d_w * (d_a * sumi - offset * s_a); 0: no sum term, d_w * d_a * sumi."""
+    d_w * (d_a * sumi - offset * s_a); 0: no offset."""
     return FORMATS[GGMLQuantizationType[type_name]].offset
 
 
+def _half_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`__hmul2` on halves: the float32 product of two halves is exact, then rounded to half (as float32)."""
+    with np.errstate(over="ignore"):
+        return (a.astype(np.float32) * b.astype(np.float32)).astype(np.float16).astype(np.float32)
+
+
 def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
-    """Y[M, N] = Σ_blocks of the per-block formula; integer sums exact (|sum| < 2^24 in fp32)."""
+    """Y[M, N] = Σ_blocks of MMVQ's per-block formula; integer sums exact (|sum| < 2^24 in fp32):
+    offset formats d_w*(d_a*sumi - c*s_a), Q8_0 d_w*d_a*sumi, formats with a minimum
+    sumi*half(d_w*d_a) + half(m_w*s_a) (the products rounded to half, as `__hmul2` does)."""
     acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
     c = np.float32(_offset(w.type_name))
-    for sumi, da, sa, dw in _block_dots(w, a, chunk):
-        if c:
+    half = FORMATS[GGMLQuantizationType[w.type_name]].mmvq_half_products
+    for k0, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk)):
+        if w.m is not None:
+            mw = w.m[k0 * chunk:k0 * chunk + sumi.shape[0], None, :]
+            if half:
+                sumi *= _half_product(dw, da)
+                sumi += _half_product(mw, sa)
+            else:
+                sumi *= dw * da
+                sumi += mw * sa
+        elif c:
             sumi *= da
             sumi -= c * sa
             sumi *= dw
@@ -259,12 +301,17 @@ def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
 
 
 def ref_mmq(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
-    """Y[M, N] by llama.cpp's MMQ formula: Σ_blocks sumi * d_w * d_a over signed weights, no sum term;
-    `a` from `quantize_q8_1_mmq` with the weights' `mmq_ds_layout`."""
+    """Y[M, N] by llama.cpp's MMQ formula, `a` from `quantize_q8_1_mmq` with the weights' `mmq_ds_layout`:
+    Σ_blocks sumi*d_w*d_a over signed weights (q - offset), no sum term (vec_dot_q8_0_q8_1_mma); formats
+    with a minimum (d_w*d_a)*sumi + m_w*s_a in float over their unsigned q (vec_dot_q8_1_q8_1_mma)."""
     acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
-    for sumi, da, _, dw in _block_dots(w, a, chunk, signed=True):
-        sumi *= dw
-        sumi *= da
+    for k0, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk, signed=True)):
+        if w.m is not None:
+            sumi *= dw * da
+            sumi += w.m[k0 * chunk:k0 * chunk + sumi.shape[0], None, :] * sa
+        else:
+            sumi *= dw
+            sumi *= da
         acc += sumi.sum(axis=0, dtype=np.float32)
     return acc
 
@@ -283,28 +330,39 @@ class Terms:
     s_ulp: np.ndarray | None = None
 
 
+def _sum_coefficients(w: BlockWeights, dw: np.ndarray, k0: int, n_blocks: int) -> np.ndarray | None:
+    """Per block, what multiplies s_a in the formula: c*d_w for offset formats, m_w with a minimum."""
+    if w.m is not None:
+        return w.m[k0:k0 + n_blocks, None, :].astype(np.float64)
+    c = _offset(w.type_name)
+    return c * dw.astype(np.float64) if c else None
+
+
 def ref_q8_1_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
-    """The terms of `ref_q8_1`: per block |d_w*d_a*sumi| and, for formats with a sum term, |c*d_w*s_a|."""
+    """The terms of `ref_q8_1`: per block |d_w*d_a*sumi| and, for formats with a sum term, |coef*s_a|."""
     m, n = a.shape[0], w.q.shape[2]
     mag, s_ulp = np.zeros((m, n)), np.zeros((m, n))
-    c = _offset(w.type_name)
-    for sumi, da, sa, dw in _block_dots(w, a, chunk):
-        adw = np.abs(dw.astype(np.float64))
-        mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * adw).sum(axis=0)
-        if c:
-            mag += (c * np.abs(sa.astype(np.float64)) * adw).sum(axis=0)
+    has_sum = False
+    for i, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk)):
+        mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * np.abs(dw.astype(np.float64))).sum(0)
+        coef = _sum_coefficients(w, dw, i * chunk, sumi.shape[0])
+        if coef is not None:
+            has_sum = True
+            mag += (np.abs(coef) * np.abs(sa.astype(np.float64))).sum(axis=0)
             ulp = np.spacing(np.abs(sa).astype(np.float16)).astype(np.float64)
-            s_ulp += (c * ulp * adw).sum(axis=0)
+            s_ulp += (np.abs(coef) * ulp).sum(axis=0)
     kb = w.q.shape[0]
-    return Terms(mag, kb * (2 if c else 1), s_ulp if c else None)
+    return Terms(mag, kb * (2 if has_sum else 1), s_ulp if has_sum else None)
 
 
 def ref_mmq_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
-    """The terms of `ref_mmq`: |sumi * d_w * d_a| per block."""
+    """The terms of `ref_mmq`: |sumi * d_w * d_a| per block, and |m_w * s_a| for formats with a minimum."""
     mag = np.zeros((a.shape[0], w.q.shape[2]))
-    for sumi, da, _, dw in _block_dots(w, a, chunk, signed=True):
+    for i, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk, signed=True)):
         mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * np.abs(dw.astype(np.float64))).sum(0)
-    return Terms(mag, w.q.shape[0])
+        if w.m is not None:
+            mag += (np.abs(w.m[i * chunk:i * chunk + sumi.shape[0], None, :]) * np.abs(sa.astype(np.float64))).sum(0)
+    return Terms(mag, w.q.shape[0] * (2 if w.m is not None else 1))
 
 
 def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.formats import QK
+from kernels.formats import FLOAT_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES
 
 Backend = Literal["cpu", "cuda"]
 
@@ -65,17 +65,22 @@ class KernelSpec:
         return self.device_reason(cuda_cc) or self.shape_reason(type_name, m, n, k)
 
 
-WEIGHTS = ("Q4_0", "Q8_0")
+WEIGHTS = (*QUANT_TYPES, *FLOAT_TYPES)  # every type `auto` multiplies
+GPU_WEIGHTS = ("Q4_0", "Q8_0")  # the CUDA kernels' types so far; auto runs the others on the CPU reference
+# mmq's kernels take any format whose MMQ form is signed int8 with one scale a block: only the upload differs
 MMVQ_MAX_BATCH = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE: above it, MMQ (ggml_cuda_mul_mat, sm_90)
 
 
-def llama_formula(m: int) -> str:
-    """The formula llama.cpp's CUDA backend computes quantized weights with at batch size M on an sm_90
-    GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): MMVQ up to 8 rows, MMQ above."""
+def llama_formula(m: int, type_name: str | None = None) -> str:
+    """The formula llama.cpp's CUDA backend computes weights of this type with at batch size M on an sm_90
+    GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): for block formats MMVQ up to 8 rows, MMQ
+    above; float matrices (F32, F16, BF16) as float products."""
+    if type_name in FLOAT_TYPES:
+        return "f32"
     return "q8_1_mmvq" if m <= MMVQ_MAX_BATCH else "q8_1_mmq"
 
 
-CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq"}  # the CPU kernel of each formula
+CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq", "f32": "ref_f32"}  # the CPU kernel of each formula
 
 
 AUTO_DESCRIPTION = ("llama.cpp's own choice of formula for the batch's M (MMVQ for M <= 8, MMQ above, as on an "
@@ -85,22 +90,25 @@ AUTO_DESCRIPTION = ("llama.cpp's own choice of formula for the batch's M (MMVQ f
 KERNELS: dict[str, KernelSpec] = {
     s.name: s
     for s in (
-        KernelSpec("ref_q8_1", "cpu", WEIGHTS, "q8_1_mmvq",
+        KernelSpec("ref_q8_1", "cpu", QUANT_TYPES, "q8_1_mmvq",
                    "numpy reference on the CPU of llama.cpp's MMVQ formula (its path for M <= 8): activations to "
-                   "Q8_1 with half2 (d, s), integer block dots over the stored quants, d_w*(d_a*sumi - 8*s_a) (Q4_0) "
-                   "/ d_w*d_a*sumi (Q8_0)"),
-        KernelSpec("ref_mmq", "cpu", WEIGHTS, "q8_1_mmq",
+                   "Q8_1 with half2 (d, s), integer block dots over the stored quants, d_w*(d_a*sumi - c*s_a) "
+                   "(Q4_0 c=8, Q5_0 c=16), d_w*d_a*sumi (Q8_0), sumi*half(d_w*d_a) + half(m_w*s_a) (Q4_1, Q5_1)"),
+        KernelSpec("ref_mmq", "cpu", QUANT_TYPES, "q8_1_mmq",
                    "numpy reference on the CPU of llama.cpp's MMQ formula (its tensor-core path for M > 8): "
-                   "activations to Q8_1 as quantize_mmq_q8_1 does (d float for Q8_0, half for Q4_0), weights as "
-                   "signed int8 (Q4_0: q-8), sumi*d_w*d_a per block, no sum term"),
+                   "activations to Q8_1 as quantize_mmq_q8_1 does (d float for Q5_0/Q8_0, half for Q4_0/Q4_1/"
+                   "Q5_1), weights as signed int8 (q-8, q-16) with sumi*d_w*d_a per block, or unsigned with "
+                   "(d_w*d_a)*sumi + m_w*s_a (Q4_1, Q5_1)"),
         KernelSpec("ref_f32", "cpu", WEIGHTS, "f32",
-                   "numpy on the CPU: weights dequantized with gguf.quants, fp32 activations, fp32 GEMM"),
+                   "numpy on the CPU: weights dequantized with gguf.quants (float matrices as they are), fp32 "
+                   "activations, fp32 GEMM"),
     )
 }
 
 
-def _cuda(name: str, fmt: str, layout: str, description: str, min_cc: int = 52, **kw: object) -> KernelSpec:
-    return KernelSpec(name, "cuda", WEIGHTS, fmt, description, min_cc=min_cc,  # type: ignore[arg-type]
+def _cuda(name: str, fmt: str, layout: str, description: str, min_cc: int = 52,
+          types: tuple[str, ...] = GPU_WEIGHTS, **kw: object) -> KernelSpec:
+    return KernelSpec(name, "cuda", types, fmt, description, min_cc=min_cc,  # type: ignore[arg-type]
                       weight_layout=layout, **kw)  # type: ignore[arg-type]
 
 
@@ -124,11 +132,11 @@ for _spec in (
           "per MMA), weights repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized "
           "into the layout the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline "
           "(Hopper bulk copies, cp.async otherwise), split-K when the grid would leave SMs idle",
-          min_cc=80, activation_layout="mmq"),
+          min_cc=80, activation_layout="mmq", types=MMQ_SIGNED_TYPES),
     _cuda("mmq_wgmma", "q8_1_mmq", "mmq", "mmq's formula, tiles, layouts and two-FMA epilogue through Hopper's "
           "asynchronous wgmma (two warpgroups, m64n64k32 per quant block with operands read from shared memory "
           "by descriptor; the bias made by a second wgmma on constant tiles; one block's epilogue overlapping "
-          "the next block's MMAs)", min_cc=90, max_cc=90, activation_layout="mmq"),
+          "the next block's MMAs)", min_cc=90, max_cc=90, activation_layout="mmq", types=MMQ_SIGNED_TYPES),
     _cuda("gemv", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a "
           "skinny int8 MMA (16 weight rows x 8 activation rows) with K split across the block's warps",

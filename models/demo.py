@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from models.atomic import atomic_file, clean_leftovers
 
@@ -18,8 +18,9 @@ DEMO_FILE = "demo.gguf"
 DEMO_SEED = 20261121
 SCALE = 0.02
 
-Q4_0, Q8_0, F32, F16 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0,
-                        GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+T = GGMLQuantizationType
+Q4_0, Q8_0, F32, F16 = T.Q4_0, T.Q8_0, T.F32, T.F16
+DEMO_VERSION = 2  # bumped when the tensor list changes: an older demo.gguf is written again
 
 # (name, type, row-major shape [N, K])
 DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
@@ -31,8 +32,12 @@ DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
     ("small.q8_0.weight", Q8_0, (257, 96)),
     ("tiny.q4_0.weight", Q4_0, (33, 64)),
     ("tiny.q8_0.weight", Q8_0, (33, 64)),
-    ("small.f16.weight", F16, (64, 64)),  # a matrix of a type matmul does not take
-    ("blk.0.attn_norm.weight", F32, (4096,)),
+    ("small.f16.weight", F16, (64, 64)),
+    ("blk.0.attn_norm.weight", F32, (4096,)),  # 1-D: not a matrix
+    # version 2: every legacy and float format (issue #21); appended, so that the tensors above keep their values
+    *[(f"{size}.{t.name.lower()}.weight", t, shape) for t in (T.Q4_1, T.Q5_0, T.Q5_1, T.BF16, T.F32)
+      for size, shape in (("small", (257, 96)), ("tiny", (33, 64)))],
+    ("small.q2_k.weight", T.Q2_K, (64, 256)),  # a matrix of a type matmul does not take yet (random block bytes)
 ]
 
 
@@ -41,7 +46,7 @@ def _values(index: int, shape: tuple[int, ...]) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(SCALE)).astype(np.float32)
 
 
-Tensor = tuple[str, GGMLQuantizationType, np.ndarray]  # (name, type, float32 values [N, K] or [K])
+Tensor = tuple[str, GGMLQuantizationType, np.ndarray]  # (name, type, float32 values [N, K] or [K], or block bytes)
 
 
 def write_gguf(path: Path, tensors: list[Tensor], arch: str = "qgemm-demo", name: str | None = None,
@@ -58,7 +63,9 @@ def write_gguf(path: Path, tensors: list[Tensor], arch: str = "qgemm-demo", name
         for key, value in (uints or {}).items():
             writer.add_uint32(key, value)
         for tname, qtype, x in tensors:
-            if qtype == F32:
+            if x.dtype == np.uint8:  # block bytes as they are (types gguf cannot quantize)
+                writer.add_tensor(tname, x, raw_dtype=qtype)
+            elif qtype == F32:
                 writer.add_tensor(tname, x.astype(np.float32))
             elif qtype == F16:
                 writer.add_tensor(tname, x.astype(np.float16))
@@ -71,18 +78,39 @@ def write_gguf(path: Path, tensors: list[Tensor], arch: str = "qgemm-demo", name
     return path
 
 
+def _demo_tensor(i: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    if qtype == T.Q2_K:  # gguf cannot quantize K-quants: random block bytes, which decode to finite values
+        values, nbytes = GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng([DEMO_SEED, i]).integers(0, 256, (shape[0], shape[1] // values * nbytes))
+        raw = raw.astype(np.uint8)
+        raw.reshape(shape[0], -1, nbytes)[..., -4:] = np.frombuffer(np.float16([0.01, 0.001]).tobytes(), np.uint8)
+        return raw
+    return _values(i, shape)
+
+
 def write_demo(path: Path) -> Path:
     """Write the demo GGUF to `path` atomically."""
-    return write_gguf(path, [(name, qtype, _values(i, shape)) for i, (name, qtype, shape) in enumerate(DEMO_TENSORS)],
+    return write_gguf(path, [(name, qtype, _demo_tensor(i, qtype, shape))
+                             for i, (name, qtype, shape) in enumerate(DEMO_TENSORS)],
                       name="qgemm demo",
                       description="Gaussian weights (scale 0.02, fixed seed) at the seeds' benchmark shapes",
-                      uints={"qgemm.demo.seed": DEMO_SEED})
+                      uints={"qgemm.demo.seed": DEMO_SEED, "qgemm.demo.version": DEMO_VERSION})
+
+
+def demo_version(path: Path) -> int | None:
+    from models.store import ModelStore
+
+    model = ModelStore(path.parent).get(path.stem)
+    if model.reader is None:
+        return None
+    f = model.reader.fields.get("qgemm.demo.version")
+    return int(f.contents()) if f is not None else 1
 
 
 def ensure_demo(models_dir: Path) -> tuple[Path, bool]:
     """The demo's path, and whether it had to be written."""
     clean_leftovers(Path(models_dir))
     path = Path(models_dir) / DEMO_FILE
-    if path.is_file() and path.stat().st_size > 0:
+    if path.is_file() and path.stat().st_size > 0 and demo_version(path) == DEMO_VERSION:
         return path, False
     return write_demo(path), True

@@ -8,6 +8,7 @@ import numpy as np
 from fastapi.testclient import TestClient
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
+from models.demo import DEMO_TENSORS
 from tests.conftest import BROKEN, SMOL_ID
 
 
@@ -20,7 +21,7 @@ def test_healthz(client: TestClient) -> None:
 def test_list_models_has_both_real_models_and_the_broken_ones(client: TestClient) -> None:
     models = {m["id"]: m for m in client.get("/v1/models").json()["models"]}
     assert models["demo"]["status"] == "ok" and models["demo"]["architecture"] == "qgemm-demo"
-    assert models["demo"]["tensor_count"] == 10
+    assert models["demo"]["tensor_count"] == len(DEMO_TENSORS)
     assert models[SMOL_ID]["status"] == "ok" and models[SMOL_ID]["architecture"] == "llama"
     assert models[SMOL_ID]["tensor_count"] == 272
     for name in [*BROKEN, "truncated.gguf", "contradictory.gguf"]:
@@ -61,7 +62,7 @@ def test_tensor_list_is_row_major_and_flags_matmul(client: TestClient, models_di
     emb = tensors["token_embd.weight"]
     assert emb["type"] == "Q8_0" and emb["shape"] == [49152, 576] and emb["matmul"] is True
     assert emb["n_bytes"] == 49152 * 576 // 32 * 34
-    assert tensors["blk.0.ffn_down.weight"]["type"] == "Q4_1" and tensors["blk.0.ffn_down.weight"]["matmul"] is False
+    assert tensors["blk.0.ffn_down.weight"]["type"] == "Q4_1" and tensors["blk.0.ffn_down.weight"]["matmul"] is True
     assert tensors["blk.0.attn_norm.weight"]["matmul"] is False
     # the offset is where the bytes really are
     reader = GGUFReader(models_dir / "demo.gguf")

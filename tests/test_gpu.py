@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from app.settings import Settings
 from kernels import reference as ref
 from kernels.cpu import Weights
+from kernels.formats import MMQ_SIGNED_TYPES
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
 from tests.conftest import stream_seed
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.gpu
 
 MS, NS, KS = (1, 3, 17, 130), (1, 33, 257), (32, 96, 4096)
 CUDA_KERNELS = [name for name, s in KERNELS.items() if s.backend == "cuda"]
+GPU_TYPES = sorted({t for s in KERNELS.values() if s.backend == "cuda" for t in s.weight_types})
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def weights_bank():
     """Fresh random GGUF weights per (type, N, K), made once per module run from the run's seed."""
     rng = np.random.default_rng(stream_seed("tests/test_gpu.py::weights_bank"))
     bank = {}
-    for t, n, k in itertools.product(("Q4_0", "Q8_0"), NS, KS):
+    for t, n, k in itertools.product(GPU_TYPES, NS, KS):
         w = (rng.standard_normal((n, k)) * rng.uniform(0.005, 0.05)).astype(np.float32)
         raw = quants.quantize(w, GGMLQuantizationType[t])
         bank[(t, n, k)] = raw
@@ -134,7 +136,7 @@ def test_quantize_mmq_kernels(backend, rng: np.random.Generator, monkeypatch, ke
 
 
 @pytest.mark.parametrize("kernel", CUDA_KERNELS)
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", GPU_TYPES)
 def test_kernel_matches_reference(backend, weights_bank, rng: np.random.Generator, kernel: str,
                                   type_name: str) -> None:
     spec = KERNELS[kernel]
@@ -156,7 +158,7 @@ def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray, 
     assert_matches(res.output, want, terms, f"{spec.name} {type_name} M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:
     """mmq on grids of more than one wave and without split-K, by pretending the GPU has 2 SMs."""
@@ -168,7 +170,7 @@ def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Genera
 
 
 @pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
 def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
     """With N even, mmq writes each thread's two adjacent outputs as one 8-byte store, or one vector atomic
     where K is split (the other shapes here have odd N): a partial last tile, split-K over a few columns,
@@ -183,11 +185,12 @@ def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str,
 
 
 @pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
 def test_mmq_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
     """Block dots at their limits: weight blocks of one extreme quant (Q8_0's -128 or 127, Q4_0's 0 or 15,
-    signed -8 or 7) against activation blocks of one value (every q_a = +-127).  The 2^19 bias of the
-    epilogue has to keep 2^19 + sumi non-negative down to sumi = 32 * 127 * -128."""
+    signed -8 or 7, Q5_0's 0 or 31 with every fifth bit alike, signed -16 or 15) against activation blocks
+    of one value (every q_a = +-127).  The 2^19 bias of the epilogue has to keep 2^19 + sumi non-negative
+    down to sumi = 32 * 127 * -128."""
     spec = KERNELS[kernel]
     m, n, k = 65, 130, 256
     if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):

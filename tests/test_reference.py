@@ -89,7 +89,7 @@ def activation_error_bound(type_name: str, raw: np.ndarray, x: np.ndarray, a: re
     """What Q8_1 can move an output of llama.cpp's formula off the exact product, from the formula itself:
     ref - exact = Σ_blocks d_w * (Σ q_w * (q_a*d_a - x) - offset * (s_a - Σ x)), every factor known here,
     so its magnitude bounds the error for every input (and a wrong formula breaks it)."""
-    qw, dw = ref.unpack_blocks(type_name, raw)
+    qw, dw, _ = ref.unpack_blocks(type_name, raw)
     (m, k), n = x.shape, raw.shape[0]
     x64 = x.astype(np.float64).reshape(m, k // 32, 32)
     lost = np.abs(a.q.reshape(m, k // 32, 32) * a.d.astype(np.float64)[..., None] - x64)  # [M, KB, 32]
@@ -138,7 +138,7 @@ def test_ref_q8_1_is_the_per_block_formula(rng: np.random.Generator, type_name: 
     raw = random_weights(rng, type_name, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     a = ref.quantize_q8_1(x)
-    qw, dw = ref.unpack_blocks(type_name, raw)
+    qw, dw, _ = ref.unpack_blocks(type_name, raw)
     want = np.zeros((m, n))
     for i in range(m):
         for j in range(n):
@@ -155,7 +155,7 @@ def test_ref_q8_1_is_the_per_block_formula(rng: np.random.Generator, type_name: 
 def test_unpacked_weights_dequantize_like_gguf(rng: np.random.Generator) -> None:
     for type_name, offset in (("Q4_0", 8), ("Q8_0", 0)):
         raw = random_weights(rng, type_name, 5, 64)
-        q, d = ref.unpack_blocks(type_name, raw)
+        q, d, _ = ref.unpack_blocks(type_name, raw)
         mine = (q.astype(np.float32).reshape(5, 2, 32) - offset) * d.astype(np.float32)[..., None]
         assert np.array_equal(mine.reshape(5, 64), ref.dequantize_weights(type_name, raw))
 
@@ -223,7 +223,7 @@ def test_ref_mmq_is_the_per_block_formula(rng: np.random.Generator) -> None:
     for type_name, layout in (("Q4_0", "DS4"), ("Q8_0", "D4")):
         raw = random_weights(rng, type_name, n, k)
         a = ref.quantize_q8_1_mmq(rng.standard_normal((m, k)).astype(np.float32), layout)
-        qw, dw = ref.unpack_blocks(type_name, raw)
+        qw, dw, _ = ref.unpack_blocks(type_name, raw)
         qs = qw.astype(int) - FORMATS[GGMLQuantizationType[type_name]].offset
         want = np.zeros((m, n))
         for i in range(m):
@@ -264,7 +264,7 @@ def test_ref_mmq_error_against_fp64_is_the_formulas(rng: np.random.Generator, ty
     x = rng.standard_normal((m, k)).astype(np.float32)
     w, a = ref.prepare_block_weights(type_name, raw), ref.quantize_q8_1_mmq(x, layout)
     y = ref.ref_mmq(w, a)
-    qw, dw = ref.unpack_blocks(type_name, raw)
+    qw, dw, _ = ref.unpack_blocks(type_name, raw)
     qs = np.abs(qw.astype(np.float64) - FORMATS[GGMLQuantizationType[type_name]].offset).reshape(n, k // 32, 32)
     lost = np.abs(a.q.reshape(m, k // 32, 32) * a.d.astype(np.float64)[..., None]
                   - x.astype(np.float64).reshape(m, k // 32, 32))

@@ -242,7 +242,7 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
     if layout == "mmq":  # tiled as fast.cu's mmq copies it, made on the host once
         from kernels.reference import unpack_blocks
 
-        q, d = unpack_blocks(type_name, raw)
+        q, d, _ = unpack_blocks(type_name, raw)  # Q4_0/Q8_0 layouts: no minimum
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
