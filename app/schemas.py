@@ -112,15 +112,16 @@ class TensorDetail(TensorRow):
 
 ACTIVATION_FORMAT_DOC = (
     "the formula the kernel computes: q8_1_mmvq is llama.cpp's MMVQ (its path for M <= 8: Q8_1 activations "
-    "with half2 (d, s), unsigned weights and the sum term), q8_1_mmq its MMQ on tensor cores (M > 8: signed "
-    "weights, no sum term, d_a kept in float for Q8_0 and as a half for Q4_0); f32 / f16: a float product of "
-    "dequantized weights")
+    "with half2 (d, s), unsigned weights with the sum term, or a minimum's m_w*s_a), q8_1_mmq its MMQ on tensor "
+    "cores (M > 8: signed weights and no sum term, or unsigned with m_w*s_a for Q4_1/Q5_1; d_a in float or as a "
+    "half per format); f32 / f16 / bf16: a float product of the weights' values with the activations in that "
+    "type (bf16: llama.cpp's BF16 matrices at M > 1)")
 
 
 class KernelInfo(BaseModel):
     name: str
     weight_types: list[str]
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "auto"] = Field(
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "auto"] = Field(
         description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda", "auto"]
     available: bool
@@ -164,7 +165,7 @@ class MatmulResponse(BaseModel):
     model: str
     tensor: str
     kernel: str
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16"] = Field(description=ACTIVATION_FORMAT_DOC)
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16"] = Field(description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
     batch: BatchInfo

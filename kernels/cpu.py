@@ -74,12 +74,16 @@ class CpuBackend:
             tg = _ms(t0)
             timing = {"weights": prep, "quantize": tq, "gemm": tg}
             res = Result(y, self.name, "q8_1_mmq" if mmq else "q8_1_mmvq", timing, a)
-        elif kernel == "ref_f32":
+        elif kernel in ("ref_f32", "ref_bf16"):
             wf, prep = self._prepared(w, "f32", lambda raw: reference.dequantize_weights(w.type_name, raw),
                                       lambda v: v.nbytes)  # type: ignore[attr-defined]
             t0 = time.perf_counter()
-            y = reference.ref_f32(wf, x)  # type: ignore[arg-type]
-            res = Result(y, self.name, "f32", {"weights": prep, "quantize": 0.0, "gemm": _ms(t0)})
+            xr = reference.round_bf16(x) if kernel == "ref_bf16" else x
+            tq = _ms(t0)
+            t0 = time.perf_counter()
+            y = reference.ref_f32(wf, xr)  # type: ignore[arg-type]
+            res = Result(y, self.name, "bf16" if kernel == "ref_bf16" else "f32",
+                         {"weights": prep, "quantize": tq, "gemm": _ms(t0)})
         else:
             raise KeyError(f"the CPU backend has no kernel {kernel!r}")
         res.timing_ms["total"] = _ms(t_all)

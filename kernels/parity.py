@@ -91,7 +91,7 @@ def compare(outdir: Path, k: int, cuda: Any = None) -> list[Row]:
         w = Weights(("parity", tname, n, k), tname, n, k, lambda raw=raw: raw)
         for m, want in ys.items():
             xm = np.ascontiguousarray(x[:m])
-            lf = llama_formula(m)
+            lf = llama_formula(m, tname)
             cc = cuda.cc if cuda is not None else None
             specs: list[KernelSpec] = [s for s in KERNELS.values() if s.can_run(tname, m, n, k, cc) is None
                                        and (s.backend == "cpu" or cuda.kernel_reason(s) is None)]

@@ -370,6 +370,13 @@ def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.matmul(np.asarray(x, dtype=np.float32), w_f32.T)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (to nearest, ties to even; NaN kept), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return np.where(np.isnan(x), x, rounded.view(np.float32)).astype(np.float32)
+
+
 def ref_f32_terms(w: np.ndarray, x: np.ndarray) -> Terms:
     """The terms of a float product: |x_i * w_i|, K of them an output."""
     return Terms(np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T, x.shape[1])

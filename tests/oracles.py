@@ -32,6 +32,8 @@ def reference_product(type_name: str, raw: np.ndarray, x: np.ndarray, activation
         a = q8_1 if q8_1 is not None else ref.quantize_q8_1_mmq(x, mmq_ds_layout(type_name))
         return ref.ref_mmq(w, a).astype(np.float64), ref.ref_mmq_terms(w, a)  # type: ignore[arg-type]
     xf = np.asarray(x, np.float32).astype(np.float64)
+    if activation_format == "bf16":
+        xf = ref.round_bf16(np.asarray(x, np.float32)).astype(np.float64)
     if activation_format == "f16":
         xf = xf.astype(np.float16).astype(np.float64)
     return xf @ w.T, ref.ref_f32_terms(w, xf)  # type: ignore[union-attr]

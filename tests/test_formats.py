@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from kernels import accuracy
 from kernels import reference as ref
 from kernels.formats import FLOAT_TYPES, FORMATS, QUANT_TYPES, mmq_ds_layout
+from kernels.registry import llama_formula
 from models.demo import DEMO_TENSORS
 from tests.conftest import SMOL_ID
 from tests.oracles import assert_matches, reference_product
@@ -191,6 +192,14 @@ def test_float_matrices_multiply_in_fp32(rng: np.random.Generator, type_name: st
     assert cmp.ok, cmp
 
 
+def test_bf16_rounding_is_to_nearest_even() -> None:
+    """ref_bf16's activations: as gguf's bf16 quantizer rounds (to nearest, ties to even)."""
+    x = np.array([1.0, 1.00390625, 1.01171875, -3.3e-39, 3.4e38, 1e-45, -0.0, 65504.0], np.float32)
+    x = np.concatenate([x, np.random.default_rng(3).standard_normal(1000).astype(np.float32)])
+    want = quants.dequantize(quants.quantize(x, GGMLQuantizationType.BF16), GGMLQuantizationType.BF16)
+    assert np.array_equal(ref.round_bf16(x), want)
+
+
 # -- through the API (CPU backend) ------------------------------------------------------------------
 def post_npy(client: TestClient, model: str, tensor: str, x: np.ndarray) -> tuple[np.ndarray, str]:
     buf = io.BytesIO()
@@ -214,7 +223,7 @@ def check_tensor(client: TestClient, path: Path, model: str, t, rng: np.random.G
     for post, m in ((post_json, 2), (post_npy, 11)):  # MMVQ's M and MMQ's
         x = rng.standard_normal((m, k)).astype(np.float32)
         y, formula = post(client, model, t.name, x)
-        assert formula == ("f32" if type_name in FLOAT_TYPES else "q8_1_mmvq" if m <= 8 else "q8_1_mmq")
+        assert formula == llama_formula(m, type_name)
         want, terms = reference_product(type_name, t.data, x, formula)
         assert_matches(y, want, terms, f"{model} {t.name} ({type_name}) M={m}")
 
