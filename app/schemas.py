@@ -115,13 +115,14 @@ ACTIVATION_FORMAT_DOC = (
     "with half2 (d, s), unsigned weights with the sum term, or a minimum's m_w*s_a), q8_1_mmq its MMQ on tensor "
     "cores (M > 8: signed weights and no sum term, or unsigned with m_w*s_a for Q4_1/Q5_1; d_a in float or as a "
     "half per format); f32 / f16 / bf16: a float product of the weights' values with the activations in that "
-    "type (bf16: llama.cpp's BF16 matrices at M > 1)")
+    "type (bf16: llama.cpp's BF16 matrices at M > 1); f16_mmvf: llama.cpp's F16 matrix times one row, "
+    "summed in half2 FMAs per thread")
 
 
 class KernelInfo(BaseModel):
     name: str
     weight_types: list[str]
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "auto"] = Field(
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf", "auto"] = Field(
         description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda", "auto"]
     available: bool
@@ -165,7 +166,8 @@ class MatmulResponse(BaseModel):
     model: str
     tensor: str
     kernel: str
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16"] = Field(description=ACTIVATION_FORMAT_DOC)
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf"] = Field(
+        description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
     batch: BatchInfo

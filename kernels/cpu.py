@@ -84,6 +84,11 @@ class CpuBackend:
             y = reference.ref_f32(wf, xr)  # type: ignore[arg-type]
             res = Result(y, self.name, "bf16" if kernel == "ref_bf16" else "f32",
                          {"weights": prep, "quantize": tq, "gemm": _ms(t0)})
+        elif kernel == "ref_f16_mmvf":
+            t0 = time.perf_counter()
+            raw = np.asarray(w.raw())  # the stored halves as they are (or their bytes): nothing to prepare
+            y = reference.ref_f16_mmvf(raw.view(np.float16) if raw.dtype == np.uint8 else raw, x)
+            res = Result(y, self.name, "f16_mmvf", {"weights": 0.0, "quantize": 0.0, "gemm": _ms(t0)})
         else:
             raise KeyError(f"the CPU backend has no kernel {kernel!r}")
         res.timing_ms["total"] = _ms(t_all)

@@ -377,6 +377,58 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), x, rounded.view(np.float32)).astype(np.float32)
 
 
+def mmvf_block_size(k: int, warp: int = 32, largest: int = 256) -> int:
+    """The threads llama.cpp's `mul_mat_vec_f` gives a row of K values: the smallest block (a multiple
+    of the warp, up to 256) that needs the fewest iterations over the K/2 value pairs."""
+    best, niter_best = warp, -(-k // (2 * warp))
+    for bs in range(2 * warp, largest + 1, warp):
+        niter = -(-k // (2 * bs))
+        if niter < niter_best:
+            best, niter_best = bs, niter
+    return best
+
+
+def _butterfly(v: np.ndarray) -> np.ndarray:
+    """A warp's xor-butterfly sum (offsets 16, 8, 4, 2, 1) over the last axis (32 lanes), in float32."""
+    for off in (16, 8, 4, 2, 1):
+        v = (v + v[..., np.arange(32) ^ off]).astype(np.float32)
+    return v[..., 0]
+
+
+def ref_f16_mmvf(w16: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray:
+    """Y [1, N] as llama.cpp multiplies an F16 matrix by one activation row (`mul_mat_vec_f`, its default
+    precision): thread t of a row's block keeps a half2 sum over value pairs t, t + bs, ...; each pair adds
+    fma(w, half(x), sum) rounded to half once (hfma2); then low + high in float, a butterfly warp sum, the
+    warps' sums through shared memory and a second butterfly.  Bit for bit ggml's on the H100 (docs/formats.md)."""
+    w16 = np.asarray(w16, np.float16)
+    n, k = w16.shape
+    x = np.asarray(x, np.float32).reshape(-1)
+    if x.shape[0] != k or k % 2:
+        raise ValueError(f"ref_f16_mmvf takes one row of K={k} (even) values")
+    bs = mmvf_block_size(k)
+    pairs = k // 2
+    steps = -(-pairs // bs)
+    xh = np.zeros(steps * bs * 2, np.float64)
+    xh[:k] = x.astype(np.float16)  # make_half2: to nearest
+    xh = xh.reshape(steps, bs, 2)
+    out = np.empty(n, np.float32)
+    for r0 in range(0, n, rows):
+        wp = np.zeros((min(rows, n - r0), steps * bs * 2), np.float64)
+        wp[:, :k] = w16[r0:r0 + rows]
+        wp = wp.reshape(-1, steps, bs, 2)
+        acc = np.zeros(wp.shape[:1] + (bs, 2), np.float16)
+        for i in range(steps):  # the product of two halves and the add are exact in float64: one rounding
+            acc = (wp[:, i] * xh[i] + acc).astype(np.float16)
+        per_thread = acc[..., 0].astype(np.float32) + acc[..., 1].astype(np.float32)
+        warps = _butterfly(per_thread.reshape(-1, bs // 32, 32))
+        if bs > 32:
+            buf = np.zeros((warps.shape[0], 32), np.float32)
+            buf[:, :bs // 32] = warps
+            warps = _butterfly(buf)[:, None]
+        out[r0:r0 + rows] = warps[:, 0]
+    return out[None]
+
+
 def ref_f32_terms(w: np.ndarray, x: np.ndarray) -> Terms:
     """The terms of a float product: |x_i * w_i|, K of them an output."""
     return Terms(np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T, x.shape[1])

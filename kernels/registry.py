@@ -22,7 +22,7 @@ class KernelSpec:
     weight_types: tuple[str, ...]
     # the formula it computes: llama.cpp's MMVQ (`q8_1_mmvq`) or MMQ (`q8_1_mmq`) on Q8_1 activations
     # (reference.py says what each is), or a float product of dequantized weights (`f32`, `f16` activations)
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16"]
+    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf"]
     description: str
     min_cc: int = 0  # compute capability as major*10+minor; 0 for the CPU
     max_cc: int | None = None  # for architecture-specific instructions (sm_90a's wgmma exists on 9.0 only)
@@ -75,6 +75,8 @@ def llama_formula(m: int, type_name: str | None = None) -> str:
     """The formula llama.cpp's CUDA backend computes weights of this type with at batch size M on an sm_90
     GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): for block formats MMVQ up to 8 rows, MMQ
     above; float matrices (F32, F16, BF16) as float products."""
+    if type_name == "F16" and m == 1:  # mul_mat_vec_f: half2 FMA sums (docs/formats.md); M > 1 is cuBLAS 16F
+        return "f16_mmvf"
     if type_name == "BF16" and m > 1:  # cuBLAS on bf16 activations (ggml parity, docs/formats.md); M = 1 keeps floats
         return "bf16"
     if type_name in FLOAT_TYPES:
@@ -83,7 +85,8 @@ def llama_formula(m: int, type_name: str | None = None) -> str:
 
 
 # the CPU kernel of each formula
-CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq", "f32": "ref_f32", "bf16": "ref_bf16"}
+CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq", "f32": "ref_f32", "bf16": "ref_bf16",
+                 "f16_mmvf": "ref_f16_mmvf"}
 
 
 AUTO_DESCRIPTION = ("llama.cpp's own choice of formula for the batch's M (MMVQ for M <= 8, MMQ above, as on an "
@@ -105,6 +108,10 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("ref_f32", "cpu", WEIGHTS, "f32",
                    "numpy on the CPU: weights dequantized with gguf.quants (float matrices as they are), fp32 "
                    "activations, fp32 GEMM"),
+        KernelSpec("ref_f16_mmvf", "cpu", ("F16",), "f16_mmvf",
+                   "numpy on the CPU of llama.cpp's product of an F16 matrix with one activation row "
+                   "(mul_mat_vec_f): per thread half2 sums of fma(w, half(x)), then float butterflies; bit for bit "
+                   "ggml's", max_m=1),
         KernelSpec("ref_bf16", "cpu", ("BF16",), "bf16",
                    "numpy on the CPU of llama.cpp's product of BF16 matrices at M > 1: activations rounded to bf16 "
                    "(to nearest even), fp32 GEMM"),

@@ -24,6 +24,10 @@ def reference_product(type_name: str, raw: np.ndarray, x: np.ndarray, activation
     llama.cpp's formula they declare, MMVQ's or MMQ's (on `q8_1`, the blocks the kernel used, when known);
     float kernels the FP64 product of the dequantized weights with the activations rounded as the kernel
     rounds them."""
+    if activation_format == "f16_mmvf":  # an emulation of ggml's kernel, bit for bit: it is its own reference
+        wf = np.asarray(raw, np.float16).astype(np.float64)
+        xh = np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
+        return ref.ref_f16_mmvf(raw, x).astype(np.float64), ref.Terms(np.abs(xh) @ np.abs(wf).T, 2 * x.shape[1])
     w = prepared if prepared is not None else prepare(type_name, raw, activation_format)
     if activation_format == "q8_1_mmvq":
         a = q8_1 if q8_1 is not None else ref.quantize_q8_1(x)

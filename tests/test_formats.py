@@ -220,7 +220,7 @@ def post_json(client: TestClient, model: str, tensor: str, x: np.ndarray) -> tup
 def check_tensor(client: TestClient, path: Path, model: str, t, rng: np.random.Generator) -> None:
     type_name = GGMLQuantizationType(int(t.tensor_type)).name
     n, k = (int(s) for s in reversed([int(v) for v in t.shape]))
-    for post, m in ((post_json, 2), (post_npy, 11)):  # MMVQ's M and MMQ's
+    for post, m in ((post_json, 1), (post_json, 2), (post_npy, 11)):  # a vector (F16's mmvf), MMVQ's M, MMQ's
         x = rng.standard_normal((m, k)).astype(np.float32)
         y, formula = post(client, model, t.name, x)
         assert formula == llama_formula(m, type_name)
