@@ -324,9 +324,6 @@ class ModelStore:
             self._models[model_id] = model
             return model
 
-    def tensor(self, model_id: str, name: str) -> tuple[Model, TensorInfo]:
-        return self.tensor_of(self.get(model_id), name)
-
     @staticmethod
     def tensor_of(model: Model, name: str) -> tuple[Model, TensorInfo]:
         if model.status != "ok":
