@@ -31,6 +31,10 @@ class BlockFormat:
     # "D4" keeps each block's d_a in float, "DS4" stores (d_a, s_a) as half2 (its formula reads d_a as a half)
     mmq_ds_layout: str = ""
     is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
+    # float matrices: the formula llama.cpp computes them with at M = 1 and above (measured against ggml,
+    # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; BF16 goes to cuBLAS on bf16 activations above 1;
+    # F16 above 1 is cuBLAS with half accumulation, not matched yet (f32 stands in)
+    float_formulas: tuple[str, str] = ("f32", "f32")
 
     @property
     def uses_activation_sum(self) -> bool:
@@ -68,8 +72,8 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
         _fmt(T.Q8_1, False, "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
              nbytes=36),  # llama.cpp's CUDA block_q8_1; gguf-py's table lists an older 40-byte one
         _fmt(T.F32, True, "one float per value", is_float=True),
-        _fmt(T.F16, True, "one half per value", is_float=True),
-        _fmt(T.BF16, True, "one bfloat16 per value", is_float=True),
+        _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f32")),
+        _fmt(T.BF16, True, "one bfloat16 per value", is_float=True, float_formulas=("f32", "bf16")),
     )
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.formats import FLOAT_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES
+from kernels.formats import FLOAT_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
 
 Backend = Literal["cpu", "cuda"]
 
@@ -74,13 +74,10 @@ MMVQ_MAX_BATCH = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE: above it, MMQ (ggml_cuda_
 def llama_formula(m: int, type_name: str | None = None) -> str:
     """The formula llama.cpp's CUDA backend computes weights of this type with at batch size M on an sm_90
     GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): for block formats MMVQ up to 8 rows, MMQ
-    above; float matrices (F32, F16, BF16) as float products."""
-    if type_name == "F16" and m == 1:  # mul_mat_vec_f: half2 FMA sums (docs/formats.md); M > 1 is cuBLAS 16F
-        return "f16_mmvf"
-    if type_name == "BF16" and m > 1:  # cuBLAS on bf16 activations (ggml parity, docs/formats.md); M = 1 keeps floats
-        return "bf16"
-    if type_name in FLOAT_TYPES:
-        return "f32"
+    above; float matrices as the format table says (`float_formulas`)."""
+    fmt = format_of(type_name) if type_name else None
+    if fmt is not None and fmt.is_float:
+        return fmt.float_formulas[0 if m == 1 else 1]
     return "q8_1_mmvq" if m <= MMVQ_MAX_BATCH else "q8_1_mmq"
 
 

@@ -19,6 +19,7 @@ so nothing here trusts a table read earlier:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import threading
@@ -306,6 +307,10 @@ class ModelStore:
         except OSError:
             return None
         return model if FileId.of(st) == model.file else None
+
+    async def current(self, model_id: str) -> Model:
+        """`get` for event-loop code: the one stat on the loop, a re-read on a thread."""
+        return self.lookup(model_id) or await asyncio.to_thread(self.get, model_id)
 
     def get(self, model_id: str) -> Model:
         model = self.lookup(model_id)

@@ -17,7 +17,7 @@ from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import errors
 from app.schemas import DEMO_K, DEMO_MODEL, DEMO_TENSOR, KERNEL_NAMES, MatmulRequest, MatmulResponse
-from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
+from models.store import FileChanged, ModelStore, NotFound
 
 router = APIRouter(tags=["matmul"])
 
@@ -158,15 +158,6 @@ async def fast_matmul(request: Request) -> Response:
     return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"))
 
 
-async def tensor_now(store: ModelStore, model_id: str, name: str) -> tuple[Model, TensorInfo]:
-    """The tensor as its file is now: one stat on the event loop, and a re-read (seconds for a large
-    header) on a thread when the file changed."""
-    try:
-        return store.tensor_of(store.lookup(model_id) or await run_in_threadpool(store.get, model_id), name)
-    except NotFound as exc:
-        raise ApiError(404, "not_found", str(exc)) from None
-
-
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str) -> Response:
     t_request = time.perf_counter()
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
@@ -187,7 +178,10 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     state = request.app.state
     x = None
     for attempt in (0, 1):  # a file that changes under a request is read again, and the request run again once
-        mdl, info = await tensor_now(state.store, model_id, tensor_name)
+        try:  # the tensor as its file is now (a re-read, seconds for a large header, off the event loop)
+            mdl, info = ModelStore.tensor_of(await state.store.current(model_id), tensor_name)
+        except NotFound as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
         if x is None:
             if ctype == NPY:
                 x = parse_npy(body)

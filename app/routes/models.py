@@ -54,8 +54,11 @@ def _model(request: Request, model_id: str) -> Model:
 
 
 async def _model_now(request: Request, model_id: str) -> Model:
-    """The same for async routes: one stat on the event loop, a re-read on a thread."""
-    return request.app.state.store.lookup(model_id) or await run_in_threadpool(_model, request, model_id)
+    """The same for async routes (the store's `current`: a re-read off the event loop)."""
+    try:
+        return await request.app.state.store.current(model_id)
+    except NotFound as exc:
+        raise ApiError(404, "model_not_found", str(exc)) from None
 
 
 def _readable(model: Model) -> Model:
