@@ -33,6 +33,20 @@ class Result:
     activations_q8_1: reference.Q8_1 | None = None  # kept for callers that check against the reference
 
 
+def _as_is(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _round_f16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+# the float kernels: (activation format, how activations and weights are rounded before an fp32 GEMM)
+FLOAT_ACTIVATIONS = {"ref_f32": ("f32", _as_is), "ref_f16": ("f16", _round_f16),
+                     "ref_bf16": ("bf16", reference.round_bf16)}
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
@@ -74,16 +88,16 @@ class CpuBackend:
             tg = _ms(t0)
             timing = {"weights": prep, "quantize": tq, "gemm": tg}
             res = Result(y, self.name, "q8_1_mmq" if mmq else "q8_1_mmvq", timing, a)
-        elif kernel in ("ref_f32", "ref_bf16"):
-            wf, prep = self._prepared(w, "f32", lambda raw: reference.dequantize_weights(w.type_name, raw),
+        elif kernel in FLOAT_ACTIVATIONS:
+            fmt, round_x = FLOAT_ACTIVATIONS[kernel]
+            wf, prep = self._prepared(w, fmt, lambda raw: round_x(reference.dequantize_weights(w.type_name, raw)),
                                       lambda v: v.nbytes)  # type: ignore[attr-defined]
             t0 = time.perf_counter()
-            xr = reference.round_bf16(x) if kernel == "ref_bf16" else x
+            xr = round_x(x)
             tq = _ms(t0)
             t0 = time.perf_counter()
             y = reference.ref_f32(wf, xr)  # type: ignore[arg-type]
-            res = Result(y, self.name, "bf16" if kernel == "ref_bf16" else "f32",
-                         {"weights": prep, "quantize": tq, "gemm": _ms(t0)})
+            res = Result(y, self.name, fmt, {"weights": prep, "quantize": tq, "gemm": _ms(t0)})
         elif kernel == "ref_f16_mmvf":
             t0 = time.perf_counter()
             raw = np.asarray(w.raw())  # the stored halves as they are (or their bytes): nothing to prepare

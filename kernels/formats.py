@@ -24,6 +24,7 @@ class BlockFormat:
     layout: str   # one line: what a block holds
     offset: int = 0  # unsigned quants: x = d*(q - offset); llama.cpp's dot with Q8_1 takes it back as offset*s_a
     has_min: bool = False  # x = d*q + m: the dot with Q8_1 adds m_w*s_a per block
+    fifth_bits: bool = False  # a uint32 qh after the header halves: bit j is q[j]'s fifth bit (5-bit formats)
     # llama.cpp's MMVQ multiplies (d_w, m_w) by (d_a, s_a) as half2 (`__hmul2`, FAST_FP16 on sm_60+):
     # both products rounded to half before they scale sumi and are added (vec_dot_q4_1/q5_1_q8_1_impl)
     mmvq_half_products: bool = False
@@ -32,9 +33,19 @@ class BlockFormat:
     mmq_ds_layout: str = ""
     is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
     # float matrices: the formula llama.cpp computes them with at M = 1 and above (measured against ggml,
-    # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; BF16 goes to cuBLAS on bf16 activations above 1;
-    # F16 above 1 is cuBLAS with half accumulation, not matched yet (f32 stands in)
+    # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; above 1, cuBLAS on activations rounded to the
+    # weights' type (bf16, or f16: ggml also accumulates F16 in half, which we do not follow: fp32 here)
     float_formulas: tuple[str, str] = ("f32", "f32")
+
+    @property
+    def header_halves(self) -> int:
+        """Halves a block starts with: d, or d and m."""
+        return 2 if self.has_min else 1
+
+    @property
+    def qs_bytes(self) -> int:
+        """Bytes of quants a block ends with: 16 of nibbles or 32 of int8 (block formats)."""
+        return self.block_bytes - 2 * self.header_halves - (4 if self.fifth_bits else 0)
 
     @property
     def uses_activation_sum(self) -> bool:
@@ -65,14 +76,14 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
         _fmt(T.Q4_1, True, f"half d, half m; {NIBBLES}; x = d*q + m", has_min=True, mmvq_half_products=True,
              mmq_ds_layout="DS4"),
         _fmt(T.Q5_0, True, f"half d; {FIFTH_BITS}; {NIBBLES} (low 4 bits); x = d*(q-16)", offset=16,
-             mmq_ds_layout="D4"),
+             fifth_bits=True, mmq_ds_layout="D4"),
         _fmt(T.Q5_1, True, f"half d, half m; {FIFTH_BITS}; {NIBBLES} (low 4 bits); x = d*q + m", has_min=True,
-             mmvq_half_products=True, mmq_ds_layout="DS4"),
+             fifth_bits=True, mmvq_half_products=True, mmq_ds_layout="DS4"),
         _fmt(T.Q8_0, True, "half d; 32 int8 q; x = d*q", mmq_ds_layout="D4"),
         _fmt(T.Q8_1, False, "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
              nbytes=36),  # llama.cpp's CUDA block_q8_1; gguf-py's table lists an older 40-byte one
         _fmt(T.F32, True, "one float per value", is_float=True),
-        _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f32")),
+        _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f16")),
         _fmt(T.BF16, True, "one bfloat16 per value", is_float=True, float_formulas=("f32", "bf16")),
     )
 }

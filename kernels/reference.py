@@ -201,28 +201,29 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint8) << 4
 
 
-# (header halves: d, or d and m; the bytes after them -> 32 integer values): llama.cpp's block_qX_Y structs
-_DECODE = {
-    "Q4_0": (1, lambda rest: _nibbles(rest)),
-    "Q4_1": (2, lambda rest: _nibbles(rest)),
-    "Q5_0": (1, lambda rest: _nibbles(rest[..., 4:]) | _fifth_bits(rest[..., :4])),
-    "Q5_1": (2, lambda rest: _nibbles(rest[..., 4:]) | _fifth_bits(rest[..., :4])),
-    "Q8_0": (1, lambda rest: rest.view(np.int8)),
-}
+def block_fields(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Raw GGUF rows (uint8 [N, row_bytes]) split into llama.cpp's block_qX_Y fields, as the format table
+    lays them out: (header float16 [N, KB, 1 or 2]: d or (d, m); qh uint8 [N, KB, 4] or None; qs uint8
+    [N, KB, 16 or 32])."""
+    fmt = FORMATS.get(GGMLQuantizationType[type_name]) if type_name in GGMLQuantizationType.__members__ else None
+    if fmt is None or not fmt.quantizes_activations:
+        raise ValueError(f"no integer unpacking for {type_name}")
+    raw = np.asarray(raw, dtype=np.uint8)
+    blocks = raw.reshape(raw.shape[0], -1, fmt.block_bytes)
+    h = 2 * fmt.header_halves
+    head = np.ascontiguousarray(blocks[..., :h]).view(np.float16)
+    qh = np.ascontiguousarray(blocks[..., h:h + 4]) if fmt.fifth_bits else None
+    return head, qh, np.ascontiguousarray(blocks[..., blocks.shape[-1] - fmt.qs_bytes:])
 
 
 def unpack_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Raw GGUF rows (uint8 [N, row_bytes]) to (q [N, K] integers, d float16 [N, K/32], m float16 or None)."""
-    if type_name not in _DECODE:
-        raise ValueError(f"no integer unpacking for {type_name}")
-    halves, decode = _DECODE[type_name]
-    raw = np.asarray(raw, dtype=np.uint8)
-    n = raw.shape[0]
-    fmt = FORMATS[GGMLQuantizationType[type_name]]
-    blocks = raw.reshape(n, -1, fmt.block_bytes)
-    head = np.ascontiguousarray(blocks[..., : 2 * halves]).view(np.float16)
-    q = decode(np.ascontiguousarray(blocks[..., 2 * halves:]))
-    return q.reshape(n, -1), head[..., 0], head[..., 1] if halves == 2 else None
+    """Raw GGUF rows (uint8 [N, row_bytes]) to (q [N, K] integers, d float16 [N, K/32], m float16 or None):
+    nibbles or int8, with their fifth bits."""
+    head, qh, qs = block_fields(type_name, raw)
+    q = _nibbles(qs) if qs.shape[-1] == QK // 2 else qs.view(np.int8)
+    if qh is not None:
+        q = q | _fifth_bits(qh)
+    return q.reshape(q.shape[0], -1), head[..., 0], head[..., 1] if head.shape[-1] == 2 else None
 
 
 def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights:

@@ -66,8 +66,8 @@ class KernelSpec:
 
 
 WEIGHTS = (*QUANT_TYPES, *FLOAT_TYPES)  # every type `auto` multiplies
-GPU_WEIGHTS = ("Q4_0", "Q8_0")  # the CUDA kernels' types so far; auto runs the others on the CPU reference
-# mmq's kernels take any format whose MMQ form is signed int8 with one scale a block: only the upload differs
+LADDER_WEIGHTS = ("Q4_0", "Q8_0")  # the teaching ladder's rungs (whole GGUF blocks in the kernel)
+# mmq_wgmma takes any format whose MMQ form is signed int8 with one scale a block: only the upload differs
 MMVQ_MAX_BATCH = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE: above it, MMQ (ggml_cuda_mul_mat, sm_90)
 
 
@@ -82,8 +82,8 @@ def llama_formula(m: int, type_name: str | None = None) -> str:
 
 
 # the CPU kernel of each formula
-CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq", "f32": "ref_f32", "bf16": "ref_bf16",
-                 "f16_mmvf": "ref_f16_mmvf"}
+CPU_REFERENCE = {"q8_1_mmvq": "ref_q8_1", "q8_1_mmq": "ref_mmq", "f32": "ref_f32", "f16": "ref_f16",
+                 "bf16": "ref_bf16", "f16_mmvf": "ref_f16_mmvf"}
 
 
 AUTO_DESCRIPTION = ("llama.cpp's own choice of formula for the batch's M (MMVQ for M <= 8, MMQ above, as on an "
@@ -109,6 +109,10 @@ KERNELS: dict[str, KernelSpec] = {
                    "numpy on the CPU of llama.cpp's product of an F16 matrix with one activation row "
                    "(mul_mat_vec_f): per thread half2 sums of fma(w, half(x)), then float butterflies; bit for bit "
                    "ggml's", max_m=1),
+        KernelSpec("ref_f16", "cpu", ("F16",), "f16",
+                   "numpy on the CPU of llama.cpp's product of F16 matrices at M > 1 (cuBLAS on half operands): "
+                   "activations rounded to half (to nearest even), fp32 GEMM (ggml accumulates in half: "
+                   "docs/formats.md)"),
         KernelSpec("ref_bf16", "cpu", ("BF16",), "bf16",
                    "numpy on the CPU of llama.cpp's product of BF16 matrices at M > 1: activations rounded to bf16 "
                    "(to nearest even), fp32 GEMM"),
@@ -117,7 +121,7 @@ KERNELS: dict[str, KernelSpec] = {
 
 
 def _cuda(name: str, fmt: str, layout: str, description: str, min_cc: int = 52,
-          types: tuple[str, ...] = GPU_WEIGHTS, **kw: object) -> KernelSpec:
+          types: tuple[str, ...] = LADDER_WEIGHTS, **kw: object) -> KernelSpec:
     return KernelSpec(name, "cuda", types, fmt, description, min_cc=min_cc,  # type: ignore[arg-type]
                       weight_layout=layout, **kw)  # type: ignore[arg-type]
 
@@ -135,14 +139,22 @@ for _spec in (
     _cuda("w16_naive", "f32", "gguf", "W4A16/W8A16: one thread per output, weights dequantized in the kernel, "
           "fp32 activations and math"),
     _cuda("w16_tiled", "f32", "gguf", "W4A16/W8A16: 64x64 tiles, weights dequantized into shared memory, fp32"),
-    _cuda("cublas_f16", "f16", "f16", "weights dequantized once to fp16 on the GPU (cached), activations cast "
-          "to fp16, cuBLAS GemmEx with fp32 accumulation and output"),
-    _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 on the GPU (cached), cuBLAS SGEMM"),
+    _cuda("cublas_f16", "f16", "f16", "weights dequantized once to fp16 at upload (cached; F16 matrices as they "
+          "are), activations cast to fp16, cuBLAS GemmEx with fp32 accumulation and output (llama.cpp's path for "
+          "F16 matrices at M > 1, which accumulates in half)", types=(*QUANT_TYPES, "F16")),
+    _cuda("cublas_f32", "f32", "f32", "weights dequantized once to fp32 at upload (cached; float matrices cast), "
+          "cuBLAS SGEMM", types=WEIGHTS),
+    _cuda("cublas_bf16", "bf16", "bf16", "BF16 matrices as stored, activations rounded to bf16 on the GPU, cuBLAS "
+          "GemmEx with fp32 accumulation and output (llama.cpp's path for BF16 at M > 1)", types=("BF16",)),
+    _cuda("mmvf_f16", "f16_mmvf", "f16", "an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit "
+          "for bit: a block of threads a row summing half2 FMAs of weights and half activations, float butterflies",
+          max_m=1, types=("F16",)),
     _cuda("mmq", "q8_1_mmq", "mmq", "llama.cpp's MMQ formula on int8 tensor cores (mma.sync m16n8k32, one quant block "
           "per MMA), weights repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized "
           "into the layout the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline "
-          "(Hopper bulk copies, cp.async otherwise), split-K when the grid would leave SMs idle",
-          min_cc=80, activation_layout="mmq", types=MMQ_SIGNED_TYPES),
+          "(Hopper bulk copies, cp.async otherwise), split-K when the grid would leave SMs idle; formats with a "
+          "minimum (Q4_1, Q5_1) keep unsigned weights and add m_w*s_a per block in a third FMA",
+          min_cc=80, activation_layout="mmq", types=QUANT_TYPES),
     _cuda("mmq_wgmma", "q8_1_mmq", "mmq", "mmq's formula, tiles, layouts and two-FMA epilogue through Hopper's "
           "asynchronous wgmma (two warpgroups, m64n64k32 per quant block with operands read from shared memory "
           "by descriptor; the bias made by a second wgmma on constant tiles; one block's epilogue overlapping "
@@ -150,7 +162,7 @@ for _spec in (
     _cuda("gemv", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a "
           "skinny int8 MMA (16 weight rows x 8 activation rows) with K split across the block's warps",
-          min_cc=80, max_m=8, activation_layout="split"),
+          min_cc=80, max_m=8, activation_layout="split", types=QUANT_TYPES),
 ):
     KERNELS[_spec.name] = _spec
 

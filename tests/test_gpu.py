@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from app.settings import Settings
 from kernels import reference as ref
 from kernels.cpu import Weights
-from kernels.formats import MMQ_SIGNED_TYPES
+from kernels.formats import FORMATS, QUANT_TYPES
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
 from tests.conftest import stream_seed
@@ -58,7 +58,8 @@ def weights_bank():
     return bank
 
 
-MMQ_LAYOUTS = {"mmq_d4": "D4", "mmq_ds4": "DS4"}  # llama.cpp's MMQ activations: d_a in float, or a half
+# llama.cpp's MMQ activations: d_a in float, or a half (with the block sums: formats with a minimum)
+MMQ_LAYOUTS = {"mmq_d4": "D4", "mmq_ds4": "DS4", "mmq_ds4s": "DS4"}
 LAYOUTS = ["blocks", "split", *MMQ_LAYOUTS]
 
 
@@ -69,8 +70,8 @@ def compare_quantize(backend, x: np.ndarray, layout: str) -> None:
     assert np.array_equal(got.q, want.q), (layout, m, k)
     assert got.d.dtype == want.d.dtype and np.array_equal(got.d, want.d) and \
         np.array_equal(np.signbit(got.d), np.signbit(want.d)), (layout, m, k)
-    if layout in MMQ_LAYOUTS:
-        return  # no sums: llama.cpp's MMQ formulas for Q4_0 and Q8_0 read none
+    if layout in ("mmq_d4", "mmq_ds4"):
+        return  # no sums: llama.cpp's MMQ formulas for the signed formats read none
     # the sum: within one half-precision ulp of the reference (summation order)
     ulp = np.spacing(np.abs(want.s)).astype(np.float32)
     assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (layout, m, k)
@@ -129,7 +130,9 @@ def test_quantize_mmq_kernels(backend, rng: np.random.Generator, monkeypatch, ke
     """Each mmq-layout quantizer (launch picks by size), on M and K not multiples of its rows and blocks."""
     from kernels.cuda import launch
 
-    monkeypatch.setattr(launch, "quantize_mmq_kernel", lambda sm_count, m, k: kernel)
+    if kernel == "quantize_q8_1_mmq_pair" and layout.endswith("s"):
+        pytest.skip("the pair kernel writes no sums: launch never takes it for mmq_ds4s")
+    monkeypatch.setattr(launch, "quantize_mmq_kernel", lambda sm_count, m, k, sums=False: kernel)
     check_quantize(backend, rng, layout, ((1, 32), (3, 96), (5, 576), (67, 4128)))
     compare_quantize(backend, half_way_values(rng), layout)
     compare_quantize(backend, tiny_values(rng), layout)
@@ -158,7 +161,7 @@ def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray, 
     assert_matches(res.output, want, terms, f"{spec.name} {type_name} M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:
     """mmq on grids of more than one wave and without split-K, by pretending the GPU has 2 SMs."""
@@ -170,7 +173,7 @@ def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Genera
 
 
 @pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
-@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
     """With N even, mmq writes each thread's two adjacent outputs as one 8-byte store, or one vector atomic
     where K is split (the other shapes here have odd N): a partial last tile, split-K over a few columns,
@@ -184,20 +187,21 @@ def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str,
         check_kernel(backend, spec, type_name, raw, rng.standard_normal((m, k)), key=f"even-n {kernel} M={m}")
 
 
-@pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
-@pytest.mark.parametrize("type_name", MMQ_SIGNED_TYPES)
-def test_mmq_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
-    """Block dots at their limits: weight blocks of one extreme quant (Q8_0's -128 or 127, Q4_0's 0 or 15,
-    signed -8 or 7, Q5_0's 0 or 31 with every fifth bit alike, signed -16 or 15) against activation blocks
-    of one value (every q_a = +-127).  The 2^19 bias of the epilogue has to keep 2^19 + sumi non-negative
-    down to sumi = 32 * 127 * -128."""
+@pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma", "gemv"])
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
+    """Block dots at their limits: weight blocks of one extreme quant (Q8_0's -128 or 127, Q4_0/Q4_1's 0 or
+    15, signed -8 or 7, Q5_0/Q5_1's 0 or 31 with every fifth bit alike, signed -16 or 15) against activation
+    blocks of one value (every q_a = +-127).  The 2^19 bias of mmq's epilogue has to keep 2^19 + sumi
+    non-negative down to sumi = 32 * 127 * -128."""
     spec = KERNELS[kernel]
-    m, n, k = 65, 130, 256
+    m, n, k = (65 if kernel.startswith("mmq") else 5), 130, 256
     if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
         pytest.skip(f"{kernel} does not run here")
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     raw = quants.quantize(w, GGMLQuantizationType[type_name]).copy()
-    quants_of = raw.reshape(n, k // 32, -1)[..., 2:]  # after each block's half scale
+    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    quants_of = raw.reshape(n, k // 32, -1)[..., 2 * fmt.header_halves:]  # after the scales: fifth bits, quants
     pick = rng.integers(0, 3, size=(n, k // 32))  # 0: as quantized, 1: the lowest quant, 2: the highest
     low, high = (0x80, 0x7F) if type_name == "Q8_0" else (0x00, 0xFF)
     quants_of[pick == 1] = low
@@ -207,7 +211,7 @@ def test_mmq_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type
     check_kernel(backend, spec, type_name, raw, x, key=f"extreme {kernel}")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Generator, type_name: str) -> None:
     """M = 1 products queued on one stream with no host sync, sharing one activation buffer: each kernel may
     get resident before the one ahead ends (pdl.py), so each quantize must still wait for the gemv before it."""
@@ -347,6 +351,59 @@ def test_api_on_gpu_smollm2_token_embd(gpu_client, gpu_models_dir: Path, rng: np
     check_answer(gpu_models_dir / f"{model}.gguf", "token_embd.weight", x, np.array(body["output"]),
                  body["activation_format"])
     assert {"upload", "quantize", "gemm", "download", "total"} <= set(body["timing_ms"])
+
+
+def matmul_both_ways(client, model: str, name: str, x: np.ndarray) -> list[tuple[np.ndarray, str]]:
+    """The product through JSON and through .npy (auto): [(output, activation format)] of both answers."""
+    r = client.post("/v1/matmul", json={"model": model, "tensor": name, "activations": x.tolist()})
+    assert r.status_code == 200, (name, r.text)
+    assert r.json()["backend"] == "cuda"
+    out = [(np.array(r.json()["output"], dtype=np.float32), r.json()["activation_format"])]
+    buf = io.BytesIO()
+    np.save(buf, x)
+    r = client.post(f"/v1/matmul?model={model}&tensor={name}", content=buf.getvalue(),
+                    headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+    assert r.status_code == 200, (name, r.text)
+    out.append((np.load(io.BytesIO(r.content)), r.headers["x-qgemm-activation-format"]))
+    return out
+
+
+def test_api_on_gpu_every_matrix_of_smollm2(gpu_client, gpu_models_dir: Path, rng: np.random.Generator) -> None:
+    """Every 2-D tensor of every SmolLM2 file (or cut of one) in the models directory, through JSON and .npy,
+    at M = 1, 5 and 37 (llama.cpp's MMVQ and MMQ formulas), against the reference; 1-D tensors are refused."""
+    files = sorted(gpu_models_dir.glob("SmolLM2-135M-Instruct*.gguf"))
+    if not files:
+        pytest.skip("no SmolLM2 file in the models directory")
+    seen = set()
+    for path in files:
+        model = path.name[:-5]
+        for t in GGUFReader(path).tensors:
+            if len(t.shape) != 2:
+                r = gpu_client.post("/v1/matmul", json={"model": model, "tensor": t.name, "activations": [[1.0]]})
+                assert r.status_code == 422, (t.name, r.text)
+                continue
+            k = int(t.shape[0])
+            for m in (1, 5, 37):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                for y, fmt in matmul_both_ways(gpu_client, model, t.name, x):
+                    check_answer(path, t.name, x, y, fmt)
+            seen.add(GGMLQuantizationType(int(t.tensor_type)).name)
+    assert seen, "no matrix multiplied"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_api_on_gpu_demo_formats(gpu_client, gpu_models_dir: Path, rng: np.random.Generator, type_name: str) -> None:
+    """The demo's small and tiny tensors of every format, auto through JSON and .npy, at M = 1, 2, 9, 300."""
+    reader = GGUFReader(gpu_models_dir / "demo.gguf")
+    names = [t.name for t in reader.tensors if t.name in (f"small.{type_name.lower()}.weight",
+                                                          f"tiny.{type_name.lower()}.weight")]
+    assert names
+    for name in names:
+        k = int(next(t for t in reader.tensors if t.name == name).shape[0])
+        for m in (1, 2, 9, 300):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            for y, fmt in matmul_both_ways(gpu_client, "demo", name, x):
+                check_answer(gpu_models_dir / "demo.gguf", name, x, y, fmt)
 
 
 def test_load_unload_and_residency(gpu_client) -> None:

@@ -236,10 +236,8 @@ class CudaBackend:
                     for buf in acts.values() if isinstance(acts, dict) else [acts]:
                         buf.view(cupy.uint8).fill(POISON_Q8_1)
                 launch.quantize_into(self.modules, layout, x_d, acts)
-            elif spec.activation_format == "f16":
-                acts = x_d.astype(cupy.float16)
             else:
-                acts = x_d
+                acts = launch.float_activations(self.modules, spec.activation_format, x_d)
             ev[2].record(s)
             y_d = cupy.empty((m, n), dtype=cupy.float32)
             if poison:

@@ -1,8 +1,11 @@
 // Block types and device helpers shared by every qgemm kernel.
 //
 // Block layouts are llama.cpp's (ggml-common.h): Q4_0 = half d + 16 bytes of nibbles (byte j holds
-// q[j] low, q[j+16] high), Q8_0 = half d + 32 int8, Q8_1 = half2 (d, sum x) + 32 int8 (36 bytes).
-// Each weight type is a traits struct, so that a kernel is written once for both types.
+// q[j] low, q[j+16] high), Q8_0 = half d + 32 int8, Q8_1 = half2 (d, sum x) + 32 int8 (36 bytes);
+// Q4_1 adds a half minimum m, Q5_0/Q5_1 a uint32 of fifth bits (kernels/formats.py says each).
+// Each weight type is a traits struct (like ggml's mmq_type_traits), so that a kernel is written once:
+// the ladder's rungs read whole GGUF blocks (Q4_0, Q8_0); the fast kernels read the split layout, made
+// at upload (launch.py): quants, fifth bits and scales in three planes.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -50,9 +53,14 @@ __device__ __forceinline__ int dot4(int a, int b, int acc) {
 // words(b, i, lo, hi): the i-th packed 4-value int32 group of a block's values as int8 words that
 // pair with activation words lo = q_a[4i..4i+3] (and, for Q4_0, hi = q_a[16+4i..16+4i+3]).
 // epilogue: llama.cpp's vec_dot_*_q8_1_impl for one whole block.
+// Split-layout part of every type: QS_BYTES of quants a block (nibbles or int8), QH: a uint32 of fifth bits
+// a block, Scale: d (half) or (d, m) (half2, MIN), OFFSET: what unsigned quants are offset by (the
+// epilogue takes OFFSET * s_a back); split_epilogue below is each family's MMVQ block formula.
 struct Q4_0 {
     static constexpr int BYTES = 18, QS_BYTES = 16, WORDS = 4;  // 4 packed words give 8 value words
-    static constexpr bool OFFSET8 = true;  // q in 0..15: the epilogue subtracts 8 * s_a
+    static constexpr int OFFSET = 8;  // q in 0..15: the epilogue subtracts 8 * s_a
+    static constexpr bool QH = false, MIN = false;
+    using Scale = __half;
     __device__ static float scale(const u8* b) { return load_half(b); }
     __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
     template <bool DP4A>
@@ -77,7 +85,9 @@ struct Q4_0 {
 
 struct Q8_0 {
     static constexpr int BYTES = 34, QS_BYTES = 32, WORDS = 8;
-    static constexpr bool OFFSET8 = false;
+    static constexpr int OFFSET = 0;
+    static constexpr bool QH = false, MIN = false;
+    using Scale = __half;
     __device__ static float scale(const u8* b) { return load_half(b); }
     __device__ static int word(const u8* b, int i) { return load_i32_a2(b + 2 + 4 * i); }
     template <bool DP4A>
@@ -106,17 +116,68 @@ template <> __device__ __forceinline__ void unpack_words<Q8_0>(const u8* b, int*
     for (int i = 0; i < 8; ++i) w[i] = Q8_0::word(b, i);
 }
 
-// Split layout (vec_dp4a, gemv): a block's quants alone, 16-byte aligned; unpack them to 8 value words.
-template <typename T> __device__ __forceinline__ void load_split_words(const u8* qs, int* w);
-template <> __device__ __forceinline__ void load_split_words<Q4_0>(const u8* qs, int* w) {
-    const int4 v = *reinterpret_cast<const int4*>(qs);
-    const int p[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { w[i] = p[i] & 0x0F0F0F0F; w[i + 4] = (p[i] >> 4) & 0x0F0F0F0F; }
+// The other legacy formats: split layout only (the fast kernels).
+struct Q4_1 {
+    static constexpr int QS_BYTES = 16, OFFSET = 0;
+    static constexpr bool QH = false, MIN = true;
+    using Scale = __half2;
+};
+struct Q5_0 {
+    static constexpr int QS_BYTES = 16, OFFSET = 16;
+    static constexpr bool QH = true, MIN = false;
+    using Scale = __half;
+};
+struct Q5_1 {
+    static constexpr int QS_BYTES = 16, OFFSET = 0;
+    static constexpr bool QH = true, MIN = true;
+    using Scale = __half2;
+};
+
+// 4 fifth bits (bit i: value i of a 4-value word) as bit 4 of each byte
+__device__ __forceinline__ int fifth_bits(unsigned h) {
+    return int(((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25));
 }
-template <> __device__ __forceinline__ void load_split_words<Q8_0>(const u8* qs, int* w) {
-    const int4 v0 = reinterpret_cast<const int4*>(qs)[0], v1 = reinterpret_cast<const int4*>(qs)[1];
-    w[0] = v0.x; w[1] = v0.y; w[2] = v0.z; w[3] = v0.w; w[4] = v1.x; w[5] = v1.y; w[6] = v1.z; w[7] = v1.w;
+// Packed word v of a block's quants (bytes 4i..4i+3) to the value words of values 4i.. (lo) and 16+4i.. (hi):
+// nibbles widened to bytes, with their fifth bits from qh; int8 quants are two words as they are.
+template <typename T>
+__device__ __forceinline__ void nibble_words(int v, unsigned qh, int i, int* lo, int* hi) {
+    *lo = v & 0x0F0F0F0F;
+    *hi = (v >> 4) & 0x0F0F0F0F;
+    if constexpr (T::QH) {
+        *lo |= fifth_bits(qh >> (4 * i));
+        *hi |= fifth_bits(qh >> (16 + 4 * i));
+    }
+}
+
+// Split layout (vec_dp4a, gemv): a block's quants alone, 16-byte aligned, and its fifth bits; unpack them
+// to 8 value words.
+template <typename T>
+__device__ __forceinline__ void load_split_words(const u8* qs, unsigned qh, int* w) {
+    const int4* v = reinterpret_cast<const int4*>(qs);
+    if constexpr (T::QS_BYTES == 32) {
+        const int4 v0 = v[0], v1 = v[1];
+        w[0] = v0.x; w[1] = v0.y; w[2] = v0.z; w[3] = v0.w; w[4] = v1.x; w[5] = v1.y; w[6] = v1.z; w[7] = v1.w;
+    } else {
+        const int4 v0 = v[0];
+        const int p[4] = {v0.x, v0.y, v0.z, v0.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) nibble_words<T>(p[i], qh, i, &w[i], &w[i + 4]);
+    }
+}
+
+// llama.cpp's MMVQ block formulas (vec_dot_*_q8_1_impl), sumi the block's integer dot as a float:
+// d_w*(d_a*sumi - OFFSET*s_a); d_w*d_a*sumi; with a minimum, (d_w*d_a, m_w*s_a) as one half2 product
+// (__hmul2, FAST_FP16), then sumi*(d_w d_a) + (m_w s_a).
+template <typename T>
+__device__ __forceinline__ float split_epilogue(typename T::Scale w, float sumi, __half2 ds) {
+    if constexpr (T::MIN) {
+        const float2 p = __half22float2(__hmul2(w, ds));
+        return fmaf(sumi, p.x, p.y);
+    } else {
+        const float2 a = __half22float2(ds);
+        if constexpr (T::OFFSET != 0) return __half2float(w) * fmaf(sumi, a.x, -float(T::OFFSET) * a.y);
+        else return __half2float(w) * a.x * sumi;
+    }
 }
 
 template <bool DP4A>
@@ -203,6 +264,18 @@ __device__ __forceinline__ __half load_once(const __half* p) {
     asm("ld.global.nc.L1::no_allocate.b16 %0, [%1];" : "=h"(r) : "l"(p));
     return __ushort_as_half(r);
 }
+template <bool KEEP_L1>
+__device__ __forceinline__ unsigned load_once(const unsigned* p) {
+    if constexpr (KEEP_L1) return __ldg(p);
+    unsigned r;
+    asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+template <bool KEEP_L1>
+__device__ __forceinline__ __half2 load_once(const __half2* p) {
+    const unsigned r = load_once<KEEP_L1>(reinterpret_cast<const unsigned*>(p));
+    return *reinterpret_cast<const __half2*>(&r);
+}
 
 // One thread per output Y[m, n] (threadIdx.x along N, threadIdx.y along M), for the naive rungs:
 // its coordinates, or false when the thread lies past the matrix; and its weight row's first block.
@@ -214,5 +287,7 @@ __device__ __forceinline__ bool output_of_thread(int M, int N, int& m, int& n) {
 template <typename T>
 __device__ __forceinline__ const u8* weight_row(const u8* W, int n, int K) { return W + (size_t)n * (K / QK) * T::BYTES; }
 
-// Define extern "C" entry points for both weight types from one template.
+// Define extern "C" entry points for every weight type from one template: the ladder's (whole GGUF blocks)
+// and the fast kernels' (split layout).  Adding a format: its traits above and its row here.
 #define QGEMM_FOR_TYPES(MACRO) MACRO(q4_0, Q4_0) MACRO(q8_0, Q8_0)
+#define QGEMM_FOR_FAST_TYPES(MACRO) QGEMM_FOR_TYPES(MACRO) MACRO(q4_1, Q4_1) MACRO(q5_0, Q5_0) MACRO(q5_1, Q5_1)

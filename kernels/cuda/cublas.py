@@ -20,7 +20,7 @@ import numpy as np
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS asks for 32 MiB on Hopper
 _OP_N, _OP_T = 0, 1  # cublasOperation_t
-_R_32F, _R_16F = 0, 2  # cudaDataType
+_R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType
 _COMPUTE_32F = 68  # cublasComputeType_t: fp32 accumulate, no TF32
 _GEMM_DEFAULT = -1  # cublasGemmAlgo_t
 _ONE = ctypes.c_float(1.0)
@@ -64,10 +64,11 @@ def _check(status: int, what: str) -> None:
 
 
 def gemm_xwt(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray) -> None:
-    """y[M, N] (fp32) = x[M, K] · w[N, K]ᵀ on the current stream, x and w both fp16 or both fp32, fp32
-    accumulation.  In cuBLAS's column-major terms: yᵀ (N x M) = op_T(w as K x N) · xᵀ (K x M)."""
+    """y[M, N] (fp32) = x[M, K] · w[N, K]ᵀ on the current stream, x and w both fp16, both bf16 (their bits
+    as uint16: CuPy has no bfloat16) or both fp32, fp32 accumulation.  In cuBLAS's column-major terms:
+    yᵀ (N x M) = op_T(w as K x N) · xᵀ (K x M)."""
     (m, k), n = x.shape, w.shape[0]
-    dtype = {np.dtype(np.float16): _R_16F, np.dtype(np.float32): _R_32F}[x.dtype]
+    dtype = {np.dtype(np.float16): _R_16F, np.dtype(np.uint16): _R_16BF, np.dtype(np.float32): _R_32F}[x.dtype]
     assert w.dtype == x.dtype and w.shape[1] == k and y.shape == (m, n) and y.dtype == np.float32
     assert w.flags.c_contiguous and y.flags.c_contiguous
     x = cupy.ascontiguousarray(x)  # no copy for the contiguous activations every caller passes

@@ -50,10 +50,14 @@
 #define WG_UNSCALE 0x1p38f
 
 // Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then the
-// barriers.  launch.py's mmq_smem() mirrors BYTES.
+// barriers.  MIN (formats with a minimum, Q4_1/Q5_1: llama.cpp's (d_w d_a) sumi + m_w s_a): each stage
+// also holds the activations' block sums s_a 2^-38 (SA, float [4][64]) and the weights' minima m_w (WM,
+// float [4][128]), one more FFMA an output and block.  launch.py's MMQ_SMEM mirrors BYTES.
+template <bool MIN>
 struct MmqSmem {
     static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
-    static constexpr int STAGE = WD + MMQ_BKB * MMQ_BN * 4;
+    static constexpr int SA = WD + MMQ_BKB * MMQ_BN * 4, WM = SA + (MIN ? MMQ_BKB * MMQ_BM * 4 : 0);
+    static constexpr int STAGE = WM + (MIN ? MMQ_BKB * MMQ_BN * 4 : 0);
     static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
 
@@ -94,14 +98,15 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
 #else
 #define MMQ_CAN_BULK false
 #endif
-template <bool BULK>
+template <bool BULK, bool MIN = false>
 struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
-    const float* wd;
+    const float *wd, *sa, *wm;
     int m0, n0, stages;
 
-    __device__ MmqBlock(const i8* wq, const float* wd_, const i8* aq, const float2* dc_, int K, int stages_per_split) {
+    __device__ MmqBlock(const i8* wq, const float* wd_, const i8* aq, const float2* dc_, int K, int stages_per_split,
+                        const float* sa_ = nullptr, const float* wm_ = nullptr) {
         const int SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB, s_begin = blockIdx.z * stages_per_split;
         const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
         m0 = blockIdx.y * MMQ_BM;
@@ -111,9 +116,11 @@ struct MmqBlock {
         b = wq + (pn << 14);
         dc = dc_ + (pm << 8);
         wd = wd_ + (pn << 9);
+        sa = MIN ? sa_ + (pm << 8) : nullptr;  // pieces of 4 x 64 and 4 x 128 floats, as dc and wd
+        wm = MIN ? wm_ + (pn << 9) : nullptr;
     }
 
-    using S = MmqSmem;
+    using S = MmqSmem<MIN>;
     static __device__ __forceinline__ unsigned long long* bar(char* smem, int buf) {
         return reinterpret_cast<unsigned long long*>(smem + S::BARS) + buf;
     }
@@ -126,13 +133,17 @@ struct MmqBlock {
         char* st = smem + (stage % MMQ_STAGES) * S::STAGE;
         if constexpr (BULK) {  // one thread: the stage's pieces, whole
 #ifdef QGEMM_BULK
-            constexpr unsigned bytes = (MMQ_BM + MMQ_BN) * 128 + MMQ_BKB * (MMQ_BM * 8 + MMQ_BN * 4);
+            constexpr unsigned bytes = S::STAGE;  // every piece, whole
             unsigned long long* done = bar(smem, stage % MMQ_STAGES);
             mbar_expect(done, bytes);
             bulk_copy(st + S::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
             bulk_copy(st + S::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
             bulk_copy(st + S::WD, wd + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
+            if constexpr (MIN) {
+                bulk_copy(st + S::SA, sa + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 4, done);
+                bulk_copy(st + S::WM, wm + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
+            }
 #endif
         } else {  // every thread: its 16-byte chunks
             const int tid = threadIdx.x;
@@ -145,6 +156,10 @@ struct MmqBlock {
                 cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
             cp_async16(st + S::DC, chunk(dc, 8, stage), true);
             cp_async16(st + S::WD, chunk(wd, 9, stage), true);
+            if constexpr (MIN) {
+                if (tid < MMQ_BKB * MMQ_BM * 4 / 16) cp_async16(st + S::SA, chunk(sa, 8, stage), true);
+                cp_async16(st + S::WM, chunk(wm, 9, stage), true);
+            }
         }
     }
     __device__ __forceinline__ void start(char* smem) const {  // the first MMQ_STAGES - 1 stages in flight
@@ -212,14 +227,16 @@ struct MmqBlock {
 #endif
 constexpr int kMmqUnroll = MMQ_UNROLL;  // #pragma unroll takes a constant expression, not a macro
 
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
-mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
-    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
-    extern __shared__ __align__(128) char smem[];
+template <bool MIN>
+__device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float* __restrict__ wd,
+                                         const i8* __restrict__ aq, const float2* __restrict__ dc,
+                                         const float* __restrict__ sa_, const float* __restrict__ wm_,
+                                         float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic,
+                                         char* smem) {
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    const MmqBlock<MMQ_CAN_BULK> blk(wq, wd, aq, dc, K, stages_per_split);
+    const MmqBlock<MMQ_CAN_BULK, MIN> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
     float acc[2][8][4] = {};
     blk.start(smem);
@@ -234,6 +251,8 @@ mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restric
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * 64 + 2 * t;
+        const float* sSA = reinterpret_cast<const float*>(st + S::SA) + wm * 32 + g;  // MIN only
+        const float* sWM = reinterpret_cast<const float*>(st + S::WM) + wn * 64 + 2 * t;
 #pragma unroll kMmqUnroll
         for (int j = 0; j < MMQ_BKB; ++j) {
             int a[2][4], b[8][2];
@@ -249,13 +268,19 @@ mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restric
                 b[2 * p + 1][1] = v[3];
             }
             float2 da[2][2];
+            float sa[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
+                for (int h = 0; h < 2; ++h) {
+                    da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
+                    if constexpr (MIN) sa[mi][h] = sSA[j * MMQ_BM + mi * 16 + 8 * h];
+                }
 #pragma unroll
             for (int ni = 0; ni < 8; ++ni) {
                 const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + ni * 8);
+                float2 mw;
+                if constexpr (MIN) mw = *reinterpret_cast<const float2*>(sWM + j * MMQ_BN + ni * 8);
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
                     int c[4];
@@ -265,6 +290,7 @@ mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restric
                         const float2 d = da[mi][e >> 1];
                         const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
                         acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
+                        if constexpr (MIN) acc[mi][ni][e] = fmaf(sa[mi][e >> 1], (e & 1) ? mw.y : mw.x, acc[mi][ni][e]);
                     }
                 }
             }
@@ -278,6 +304,21 @@ mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restric
             for (int h = 0; h < 2; ++h)
                 blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * 64 + ni * 8 + 2 * t,
                           acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+}
+
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
+    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
+    mmq_tile<false>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem);
+}
+// Formats with a minimum: unsigned weights, and the m_w s_a term (sa: the activations' sums, tiled as dc).
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
+        const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm, float* __restrict__ Y,
+        int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
+    mmq_tile<true>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);
 }
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
@@ -330,7 +371,7 @@ __device__ __forceinline__ void fence_regs(int* d) {
 
 // mmq's shared memory, then the bias tile (2 KiB of -128s).  launch.py's mmq_wgmma_smem() mirrors BYTES.
 struct MmqWgSmem {
-    static constexpr int BIAS = (MmqSmem::BYTES + 127) / 128 * 128, BYTES = BIAS + 2048;
+    static constexpr int BIAS = (MmqSmem<false>::BYTES + 127) / 128 * 128, BYTES = BIAS + 2048;
 };
 
 extern "C" __global__ void __launch_bounds__(2 * MMQ_THREADS, MMQ_MIN_BLOCKS)
@@ -407,10 +448,12 @@ mmq_wgmma(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __r
 #endif
 template <typename T>
 struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of them)
-    static constexpr bool KEEP_L1 = !T::OFFSET8;  // see load_once
+    static constexpr bool KEEP_L1 = T::QS_BYTES == 32;  // see load_once
     int4 w[GEMV_U][T::QS_BYTES / 16];
-    __half d[GEMV_U];
-    __device__ __forceinline__ void load(const int4* wrow, const __half* drow, int kb0, int KB) {
+    typename T::Scale d[GEMV_U];
+    unsigned h[GEMV_U];
+    __device__ __forceinline__ void load(const int4* wrow, const typename T::Scale* drow, const unsigned* hrow, int kb0,
+                                         int KB) {
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
             const int kb = kb0 + u * WARP;
@@ -419,37 +462,49 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
                 for (int v = 0; v < T::QS_BYTES / 16; ++v)
                     w[u][v] = load_once<KEEP_L1>(wrow + ((size_t)kb * (T::QS_BYTES / 16) + v));
                 d[u] = load_once<KEEP_L1>(drow + kb);
+                if constexpr (T::QH) h[u] = load_once<KEEP_L1>(hrow + kb);
+                else h[u] = 0;
             }
         }
     }
 };
 
+// The split weight planes of one type: quants (QS_BYTES a block), scales (T::Scale a block) and, for
+// the 5-bit formats, fifth bits (a uint32 a block; any pointer otherwise).
 template <typename T>
-__device__ void gemv1(const u8* __restrict__ wq, const __half* __restrict__ wd, const i8* __restrict__ aq,
-                      const __half2* __restrict__ ads, float* __restrict__ Y, int N, int K) {
+struct SplitWeights {
+    const u8* __restrict__ qs;
+    const typename T::Scale* __restrict__ d;
+    const unsigned* __restrict__ qh;
+};
+
+template <typename T>
+__device__ void gemv1(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                      float* __restrict__ Y, int N, int K) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int n = blockIdx.x * (blockDim.x / WARP) + warp;
     if (n >= N) return;
     const int KB = K / QK;
-    const int4* wrow = reinterpret_cast<const int4*>(wq + (size_t)n * KB * T::QS_BYTES);
-    const __half* drow = wd + (size_t)n * KB;
+    const int4* wrow = reinterpret_cast<const int4*>(W.qs + (size_t)n * KB * T::QS_BYTES);
+    const typename T::Scale* drow = W.d + (size_t)n * KB;
+    const unsigned* hrow = W.qh + (size_t)n * KB;
     const int4* arow = reinterpret_cast<const int4*>(aq);
     float acc = 0.0f;
     GemvStep<T> cur, nxt;
-    cur.load(wrow, drow, lane, KB);
+    cur.load(wrow, drow, hrow, lane, KB);
     let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
     wait_for_inputs();
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
-        nxt.load(wrow, drow, kb0 + WARP * GEMV_U, KB);
+        nxt.load(wrow, drow, hrow, kb0 + WARP * GEMV_U, KB);
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
             const int kb = kb0 + u * WARP;
             if (kb < KB) {
                 int w[8];
-                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), w);
+                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
                 const int4 a0 = __ldg(arow + (size_t)kb * 2), a1 = __ldg(arow + (size_t)kb * 2 + 1);
                 const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                acc += T::epilogue(__half2float(cur.d[u]), dot8<true>(w, a), __half22float2(ads[kb]));
+                acc += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[kb]);
             }
         }
         cur = nxt;
@@ -462,52 +517,46 @@ __device__ void gemv1(const u8* __restrict__ wq, const __half* __restrict__ wd, 
 // activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
 // 4-byte activation fragment loads bind the LSU), the 8 warps of a block split K, then add in shared
 // memory.  Each warp issues the loads of its next 4 blocks before the first MMA: the kernel
-// waits on L2/HBM latency, not on arithmetic.  Q4_0's packed bytes 4t..4t+3 hold k = 4t.. (low nibbles) and
-// k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split layout is read as
-// it is, at half the bytes of int8.
+// waits on L2/HBM latency, not on arithmetic.  A nibble format's packed bytes 4t..4t+3 hold k = 4t..
+// (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split
+// layout is read as it is, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).
 template <typename T>
-__device__ __forceinline__ void weight_fragment(const u8* blk, int t, int* lo, int* hi) {
-    if constexpr (T::OFFSET8) {
-        const int v = *reinterpret_cast<const int*>(blk + 4 * t);
-        *lo = v & 0x0F0F0F0F;
-        *hi = (v >> 4) & 0x0F0F0F0F;
+__device__ __forceinline__ void weight_fragment(const u8* blk, unsigned qh, int t, int* lo, int* hi) {
+    if constexpr (T::QS_BYTES == 16) {
+        nibble_words<T>(*reinterpret_cast<const int*>(blk + 4 * t), qh, t, lo, hi);
     } else {
         *lo = *reinterpret_cast<const int*>(blk + 4 * t);
         *hi = *reinterpret_cast<const int*>(blk + 16 + 4 * t);
     }
 }
 
-__device__ __forceinline__ float block_epilogue(bool offset8, float dw, int c, float2 ds) {
-    const float sf = magic_to_float(c);
-    return offset8 ? dw * fmaf(ds.x, sf, -8.0f * ds.y) : dw * ds.x * sf;
-}
-
 template <typename T>
-__device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd, const i8* __restrict__ aq,
-                       const __half2* __restrict__ ads, float* __restrict__ Y, int M, int N, int K) {
+__device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                       float* __restrict__ Y, int M, int N, int K) {
     constexpr int U = 4;  // quant blocks per warp whose loads are all issued before the first MMA
+    using Scale = typename T::Scale;
     __shared__ float red[8][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16, KB = K / QK;
     const int nA = n0 + g, nB = n0 + g + 8, m0 = 2 * t, m1 = m0 + 1;
     const bool okA = nA < N, okB = nB < N, okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
-    const u8* rowA = wq + (size_t)(okA ? nA : 0) * KB * T::QS_BYTES;
-    const u8* rowB = wq + (size_t)(okB ? nB : 0) * KB * T::QS_BYTES;
+    const size_t rA = (size_t)(okA ? nA : 0) * KB, rB = (size_t)(okB ? nB : 0) * KB;  // first blocks of the rows
     const i8* act = aq + (size_t)(okG ? g : 0) * K + 4 * t;
     float acc[4] = {};
     for (int kb0 = warp; kb0 < KB; kb0 += 8 * U) {
         int a[U][4], b[U][2];
-        float dA[U], dB[U];
+        Scale dA[U], dB[U];
         __half2 s0[U], s1[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + 8 * u;
             const bool in = kb < KB;
             a[u][0] = a[u][1] = a[u][2] = a[u][3] = b[u][0] = b[u][1] = 0;
-            if (in && okA) weight_fragment<T>(rowA + (size_t)kb * T::QS_BYTES, t, &a[u][0], &a[u][2]);
-            if (in && okB) weight_fragment<T>(rowB + (size_t)kb * T::QS_BYTES, t, &a[u][1], &a[u][3]);
-            dA[u] = in && okA ? __half2float(wd[(size_t)nA * KB + kb]) : 0.f;
-            dB[u] = in && okB ? __half2float(wd[(size_t)nB * KB + kb]) : 0.f;
+            const unsigned hA = T::QH && in && okA ? W.qh[rA + kb] : 0u, hB = T::QH && in && okB ? W.qh[rB + kb] : 0u;
+            if (in && okA) weight_fragment<T>(W.qs + (rA + kb) * T::QS_BYTES, hA, t, &a[u][0], &a[u][2]);
+            if (in && okB) weight_fragment<T>(W.qs + (rB + kb) * T::QS_BYTES, hB, t, &a[u][1], &a[u][3]);
+            dA[u] = in && okA ? W.d[rA + kb] : Scale();
+            dB[u] = in && okB ? W.d[rB + kb] : Scale();
             if (in && okG) {
                 b[u][0] = *reinterpret_cast<const int*>(act + (size_t)kb * QK);
                 b[u][1] = *reinterpret_cast<const int*>(act + (size_t)kb * QK + 16);
@@ -519,12 +568,11 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
         for (int u = 0; u < U; ++u) {
             int c[4];
             mma_s8_const<MAGIC_I>(c, a[u], b[u]);
-            const float2 f0 = __half22float2(s0[u]), f1 = __half22float2(s1[u]);
             // c0: (weight row nA, act m0), c1: (nA, m1), c2: (nB, m0), c3: (nB, m1)
-            acc[0] += block_epilogue(T::OFFSET8, dA[u], c[0], f0);
-            acc[1] += block_epilogue(T::OFFSET8, dA[u], c[1], f1);
-            acc[2] += block_epilogue(T::OFFSET8, dB[u], c[2], f0);
-            acc[3] += block_epilogue(T::OFFSET8, dB[u], c[3], f1);
+            acc[0] += split_epilogue<T>(dA[u], magic_to_float(c[0]), s0[u]);
+            acc[1] += split_epilogue<T>(dA[u], magic_to_float(c[1]), s1[u]);
+            acc[2] += split_epilogue<T>(dB[u], magic_to_float(c[2]), s0[u]);
+            acc[3] += split_epilogue<T>(dB[u], magic_to_float(c[3]), s1[u]);
         }
     }
 #pragma unroll
@@ -541,12 +589,13 @@ __device__ void skinny(const u8* __restrict__ wq, const __half* __restrict__ wd,
 
 #define FAST(t, T)                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
-        gemv1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int N, int K) {   \
-        gemv1<T>(wq, wd, aq, ads, Y, N, K);                                                                     \
+        gemv1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y,   \
+                  int N, int K) {                                                                               \
+        gemv1<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, N, K);                                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
-        skinny1_##t(const u8* wq, const __half* wd, const i8* aq, const __half2* ads, float* Y, int M, int N,   \
-                    int K) {                                                                                    \
-        skinny<T>(wq, wd, aq, ads, Y, M, N, K);                                                              \
+        skinny1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y, \
+                    int M, int N, int K) {                                                                      \
+        skinny<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                             \
     }
-QGEMM_FOR_TYPES(FAST)
+QGEMM_FOR_FAST_TYPES(FAST)

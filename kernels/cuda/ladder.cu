@@ -90,7 +90,7 @@ __device__ void vec_dp4a(const u8* __restrict__ Wq, const __half* __restrict__ W
     float acc[MT] = {};
     for (int kb = lane; kb < KB; kb += WARP) {
         int w[8];
-        load_split_words<T>(Wq + ((size_t)n * KB + kb) * T::QS_BYTES, w);
+        load_split_words<T>(Wq + ((size_t)n * KB + kb) * T::QS_BYTES, 0u, w);  // Q4_0/Q8_0: no fifth bits
         const float dw = __half2float(Wd[(size_t)n * KB + kb]);
 #pragma unroll
         for (int i = 0; i < MT; ++i) {

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 from kernels.cuda import cublas, pdl
 from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
-from kernels.registry import KernelSpec
+from kernels.registry import LADDER_WEIGHTS, KernelSpec
 
 Q8_1_BYTES = FORMATS[GGMLQuantizationType.Q8_1].block_bytes
 I32, I64 = np.int32, np.int64
@@ -68,14 +68,17 @@ def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
     return cdiv(rows, tile), cdiv(k // QK, MMQ_BKB)
 
 
-MMQ_HALF_D = {"mmq_d4": 0, "mmq_ds4": 1}  # the MMQ activation layouts: whether d_a is rounded to half
+# the MMQ activation layouts: whether d_a is rounded to half; "mmq_ds4s" also holds the block sums s_a
+MMQ_HALF_D = {"mmq_d4": 0, "mmq_ds4": 1, "mmq_ds4s": 1}
 
 
 def activation_layout(spec: KernelSpec, type_name: str) -> str:
     """The layout a kernel's activations are quantized into for weights of this type: its own, and for the
-    MMQ kernels the format's scale layout as well ("mmq_d4": d_a in float; "mmq_ds4": d_a a half)."""
+    MMQ kernels the format's scale layout as well ("mmq_d4": d_a in float; "mmq_ds4": d_a a half; with a
+    minimum, "mmq_ds4s": and the sums its m_w s_a term reads)."""
     if spec.activation_layout == "mmq":
-        return "mmq_" + mmq_ds_layout(type_name).lower()
+        fmt = format_of(type_name)
+        return "mmq_" + mmq_ds_layout(type_name).lower() + ("s" if fmt is not None and fmt.has_min else "")
     return spec.activation_layout
 
 
@@ -85,8 +88,11 @@ def q8_1_buffers(layout: str, m: int, k: int) -> Any:
         return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
     if layout in MMQ_HALF_D:  # pieces of 64 rows x one stage (see quantize_q8_1_mmq)
         pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
-        return {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
+        bufs = {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
                 "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
+        if layout.endswith("s"):
+            bufs["sa"] = cupy.empty(pieces * MMQ_BKB * MMQ_BM, dtype=cupy.float32)
+        return bufs
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
 
@@ -100,13 +106,13 @@ def quantize_mmq_warps(name: str, m: int, k: int) -> int:
     return cdiv(m, rows) * cdiv(k // QK, blocks)
 
 
-def quantize_mmq_kernel(sm_count: int, m: int, k: int) -> str:
+def quantize_mmq_kernel(sm_count: int, m: int, k: int, sums: bool = False) -> str:
     """The mmq-layout quantizer for this size.  `quantize_q8_1_mmq_pair` (2 lanes a block, a quarter of the
     instructions) once it has ~16 warps an SM; below that the 8-lane kernels' 4x more threads hide latency
     better (H100, alone: M=128 K=4096 2.3 against 2.6 us; M=128 K=14336 4.3 against 3.8), taking 1 block a
     warp while that fits in about one wave (64 warps an SM), more when there are waves to spare, so that
-    each thread has several loads in flight."""
-    if quantize_mmq_warps("quantize_q8_1_mmq_pair", m, k) >= 16 * sm_count:
+    each thread has several loads in flight.  `sums` (formats with a minimum): the pair kernel writes none."""
+    if not sums and quantize_mmq_warps("quantize_q8_1_mmq_pair", m, k) >= 16 * sm_count:
         return "quantize_q8_1_mmq_pair"
     warps, wave = quantize_mmq_warps("quantize_q8_1_mmq", m, k), 64 * sm_count
     return "quantize_q8_1_mmq" if warps <= wave else "quantize_q8_1_mmq2" if warps <= 4 * wave else "quantize_q8_1_mmq4"
@@ -118,9 +124,11 @@ def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
     elif layout in MMQ_HALF_D:
         m, k = x.shape
         sb = mmq_tiles(m, k, MMQ_BM)[1]
-        name = quantize_mmq_kernel(mods.sm_count, m, k)
+        sa = acts.get("sa")
+        name = quantize_mmq_kernel(mods.sm_count, m, k, sums=sa is not None)
         mods.function("q8_1.cu", name)((cdiv(quantize_mmq_warps(name, m, k), 8),), (256,),
-                                       (x, acts["qs"], acts["dc"], I32(m), I32(k), I32(sb), I32(MMQ_HALF_D[layout])))
+                                       (x, acts["qs"], acts["dc"], sa if sa is not None else I64(0), I32(m), I32(k),
+                                        I32(sb), I32(MMQ_HALF_D[layout])))
     else:
         quantize_q8_1(mods, x, acts)
 
@@ -128,15 +136,20 @@ def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
 def q8_1_to_host(acts: Any, m: int, k: int, layout: str = "") -> Any:
     from kernels.reference import Q8_1
 
-    if isinstance(acts, dict) and "dc" in acts:  # mmq: untile (d from the (d 2^111, -d 2^-19) pairs); no sums
+    if isinstance(acts, dict) and "dc" in acts:  # mmq: untile (d from the (d 2^111, -d 2^-19) pairs, s from s 2^-38)
         mt, sb = mmq_tiles(m, k, MMQ_BM)
         kb, kbp = k // QK, sb * MMQ_BKB
+
+        def untile(a: cupy.ndarray, *last: int) -> np.ndarray:  # [tile][stage][block][row](...) -> [m, kb](...)
+            t = cupy.asnumpy(a).reshape(mt, sb, MMQ_BKB, MMQ_BM, *last).transpose(0, 3, 1, 2, *range(4, 4 + len(last)))
+            return np.ascontiguousarray(t.reshape(-1, kbp, *last)[:m, :kb])
+
         qs = cupy.asnumpy(acts["qs"]).reshape(mt, sb, MMQ_BM // 8, 8, 8, 16).transpose(0, 2, 4, 1, 3, 5)
-        dc = cupy.asnumpy(acts["dc"]).reshape(mt, sb, MMQ_BKB, MMQ_BM, 2).transpose(0, 3, 1, 2, 4)
-        d = dc.reshape(-1, kbp, 2)[:m, :kb, 0] * np.float32(2.0 ** -111)  # exact
+        d = untile(acts["dc"], 2)[..., 0] * np.float32(2.0 ** -111)  # exact
+        s = (untile(acts["sa"]) * np.float32(2.0 ** 38)).astype(np.float16) if "sa" in acts else \
+            np.zeros((m, kb), dtype=np.float16)  # no sums: the signed formats' formula reads none
         return Q8_1(np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k]),
-                    d.astype(np.float16) if MMQ_HALF_D.get(layout) else np.ascontiguousarray(d),
-                    np.zeros((m, kb), dtype=np.float16))
+                    d.astype(np.float16) if MMQ_HALF_D.get(layout) else np.ascontiguousarray(d), s)
     if isinstance(acts, dict):
         ds = cupy.asnumpy(acts["ds"])
         return Q8_1(cupy.asnumpy(acts["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
@@ -146,6 +159,7 @@ def q8_1_to_host(acts: Any, m: int, k: int, layout: str = "") -> Any:
 MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
 MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4
 MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and their mbarriers
+MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * (MMQ_BM + MMQ_BN) * 4 + 8)  # MmqSmem<true>: with SA and WM
 MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 2 KiB tile of -128s
 
 
@@ -169,25 +183,51 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     if splits > 1:
         y.fill(0)
     grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
-    fn = mods.function("fast.cu", base)  # one kernel for every weight type (its layouts carry the format)
-    threads, smem = (MMQ_THREADS, MMQ_SMEM) if base == "mmq" else (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)
+    # one kernel for every signed weight type (its layouts carry the format); formats with a minimum: mmq_min
+    minimum = "wm" in w
+    if minimum:
+        assert base == "mmq", "mmq_wgmma takes the signed formats only"
+        base = "mmq_min"
+    fn = mods.function("fast.cu", base)
+    threads, smem = {"mmq": (MMQ_THREADS, MMQ_SMEM), "mmq_min": (MMQ_THREADS, MMQ_SMEM_MIN),
+                     "mmq_wgmma": (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)}[base]
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
-    fn(grid, (threads,), (w["wq"], w["wd"], a["qs"], a["dc"], y, I32(m), I32(n), I32(k), I32(per), I32(splits > 1)),
-       shared_mem=smem)
+    extra = (a["sa"], w["wm"]) if minimum else ()
+    fn(grid, (threads,), (w["wq"], w["wd"], a["qs"], a["dc"], *extra, y, I32(m), I32(n), I32(k), I32(per),
+                          I32(splits > 1)), shared_mem=smem)
 
 
 def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    planes = (w["qs"], w["d"], w.get("qh", w["qs"]))  # formats without fifth bits: any pointer, never read
     if m == 1:  # a warp per weight row, dp4a; it may start during the quantize kernel (pdl.py)
         pdl.launch(mods.function("fast.cu", f"gemv1_{t}"), (cdiv(n, 8),), (256,),
-                   (w["qs"], w["d"], a["qs"], a["ds"], y, I32(n), I32(k)), mods.dependent_launch)
+                   (*planes, a["qs"], a["ds"], y, I32(n), I32(k)), mods.dependent_launch)
     else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA
-        mods.function("fast.cu", f"skinny1_{t}")((cdiv(n, 16),), (256,), (w["qs"], w["d"], a["qs"], a["ds"], y,
+        mods.function("fast.cu", f"skinny1_{t}")((cdiv(n, 16),), (256,), (*planes, a["qs"], a["ds"], y,
                                                                           I32(m), I32(n), I32(k)))
 
 
 def _cublas(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
-    cublas.gemm_xwt(a, w["w"], y)  # fp16 or fp32 weights, dequantized once at upload
+    cublas.gemm_xwt(a, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
+
+
+def _mmvf_f16(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    from kernels.reference import mmvf_block_size
+
+    mods.function("w16.cu", "mmvf_f16")((n,), (mmvf_block_size(k),), (w["w"], a, y, I32(n), I32(k)))
+
+
+def float_activations(mods: Any, activation_format: str, x: cupy.ndarray) -> cupy.ndarray:
+    """The activations a float kernel reads: fp32 as they are (f32, f16_mmvf: the kernel rounds them), cast to
+    fp16, or rounded to bf16 (its bits as uint16: CuPy has no bfloat16)."""
+    if activation_format == "f16":
+        return x.astype(cupy.float16)
+    if activation_format == "bf16":
+        out = cupy.empty(x.shape, dtype=cupy.uint16)
+        mods.function("w16.cu", "to_bf16")((cdiv(x.size, 256),), (256,), (x, out, I64(x.size)))
+        return out
+    return x
 
 
 LAUNCHERS: dict[str, Launch] = {
@@ -200,6 +240,8 @@ LAUNCHERS: dict[str, Launch] = {
     "w16_tiled": _tiled("w16.cu", "w16_tiled", 64, 64),
     "cublas_f16": Launch("w16.cu", _cublas),
     "cublas_f32": Launch("w16.cu", _cublas),
+    "cublas_bf16": Launch("w16.cu", _cublas),
+    "mmvf_f16": Launch("w16.cu", _mmvf_f16),
     "mmq": Launch("fast.cu", _mmq),
     "mmq_wgmma": Launch("fast.cu", partial(_mmq, base="mmq_wgmma")),
     "gemv": Launch("fast.cu", _gemv),
@@ -216,9 +258,25 @@ def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     assert fmt is not None
     kb = k // QK
     return {"gguf": n * kb * fmt.block_bytes,
-            "split": n * kb * fmt.block_bytes,  # quants + 2-byte scales: the same bytes, regrouped
-            "f16": n * k * 2, "f32": n * k * 4,
-            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + 4)}[layout]
+            "split": n * kb * fmt.block_bytes,  # quants, scales, fifth bits: the same bytes, regrouped
+            "f16": n * k * 2, "bf16": n * k * 2, "f32": n * k * 4,
+            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + (8 if fmt.has_min else 4))}[layout]
+
+
+FLOAT_LAYOUTS = ("f16", "bf16", "f32")
+DEVICE_DEQUANTIZERS = LADDER_WEIGHTS  # w16.cu's dequantize_{f16,f32}_<type>; other types dequantize on the host
+
+
+def host_float_weights(type_name: str, raw: np.ndarray, layout: str) -> np.ndarray:
+    """A tensor's values in a float layout: bf16 as stored (BF16 matrices only), else gguf's dequantization
+    (float matrices as they are) cast to fp16 or fp32."""
+    from kernels.reference import dequantize_weights
+
+    if layout == "bf16":
+        if type_name != "BF16":
+            raise ValueError(f"the bf16 layout holds BF16 matrices only, not {type_name}")
+        return np.ascontiguousarray(raw).view(np.uint16)
+    return dequantize_weights(type_name, raw).astype(np.float16 if layout == "f16" else np.float32)
 
 
 def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int, k: int) -> dict[str, cupy.ndarray]:
@@ -226,14 +284,20 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
     fmt = format_of(type_name)
     assert fmt is not None
     kb = k // QK
-    if layout == "split":  # regroup on the host (a strided view), upload quants and scales apart
-        blocks = np.asarray(raw, dtype=np.uint8).reshape(n, kb, fmt.block_bytes)
-        return {"qs": cupy.asarray(np.ascontiguousarray(blocks[..., 2:]).reshape(-1)),
-                "d": cupy.asarray(np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(-1))}
-    w = cupy.asarray(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1))
+    if layout == "split":  # regrouped on the host: quants, scales (d or (d, m)) and fifth bits apart
+        from kernels.reference import block_fields
+
+        head, qh, qs = block_fields(type_name, raw)
+        planes = {"qs": qs.reshape(-1), "d": head.reshape(-1)}
+        if qh is not None:
+            planes["qh"] = qh.reshape(-1).view(np.uint32)
+        return {name: cupy.asarray(a) for name, a in planes.items()}
+    if layout in FLOAT_LAYOUTS and type_name not in DEVICE_DEQUANTIZERS:  # dequantized (or cast) on the host
+        return {"w": cupy.asarray(host_float_weights(type_name, raw, layout).reshape(n, k))}
+    w = cupy.asarray(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
     if layout == "gguf":
         return {"w": w}
-    if layout in ("f16", "f32"):
+    if layout in FLOAT_LAYOUTS:
         out = cupy.empty((n, k), dtype=np.float16 if layout == "f16" else np.float32)
         fn = mods.function("w16.cu", f"dequantize_{layout}_{suffix(type_name)}")
         fn((cdiv(n * k, 256),), (256,), (w, out, I64(n * k)))
@@ -242,19 +306,23 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
     if layout == "mmq":  # tiled as fast.cu's mmq copies it, made on the host once
         from kernels.reference import unpack_blocks
 
-        q, d, _ = unpack_blocks(type_name, raw)  # Q4_0/Q8_0 layouts: no minimum
+        q, d, mins = unpack_blocks(type_name, raw)
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
-        qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8)
-        wd = np.zeros((rows, kbp), dtype=np.float32)  # d_w, what the epilogue multiplies by
-        wd[:n, :kb] = d.astype(np.float32)
-        wd_tiles = wd.reshape(nt, MMQ_BN, sb, MMQ_BKB).transpose(0, 2, 3, 1)  # [tile][stage][block][row]
+        qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8; Q4_1: q)
+
+        def scale_tiles(v: np.ndarray) -> np.ndarray:  # per block and row, [tile][stage][block][row]
+            full = np.zeros((rows, kbp), dtype=np.float32)
+            full[:n, :kb] = v.astype(np.float32)
+            return np.ascontiguousarray(full.reshape(nt, MMQ_BN, sb, MMQ_BKB).transpose(0, 2, 3, 1)).reshape(-1)
 
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
-        return {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)),
-                "wd": cupy.asarray(np.ascontiguousarray(wd_tiles).reshape(-1))}
+        out = {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
+        if mins is not None:  # m_w, what the m_w s_a term multiplies by
+            out["wm"] = cupy.asarray(scale_tiles(mins))
+        return out
     raise ValueError(f"unknown weight layout {layout!r}")
 
 

@@ -121,17 +121,26 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 //   dc: [M/64][SB][4 blocks][64 rows] float2 (d * 2^111, -d * 2^-19): the GEMM's epilogue turns its
 //       2^19-biased int32 into d*sumi*2^-38 with one FFMA (fast.cu); d is the block's scale in float
 //       (llama.cpp's D4 layout, Q8_0 weights) or rounded to half (DS4, Q4_0), per `half_d`
+//   sa (weights with a minimum only, else null): [M/64][SB][4 blocks][64 rows] float, the block's sum of x
+//       (four values a lane added in order, then a butterfly over the block's 8 lanes) rounded to half as
+//       llama.cpp's DS4 stores it, times 2^-38 (the scale of mmq's accumulators)
 // with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = 0 here
 // (their quants meet zero weights).  Both products are exact: powers of two times d (|d| < 2^16).
 
 // A block's scales into the mmq layout (its row mr of the row tile whose first piece is `piece`); the last
 // block of a row also zeroes the padding blocks of its last stage.
-__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, size_t piece, int mr, int kb, int KB,
-                                                 int SB, float d, int half_d) {
+__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, float* __restrict__ sa, size_t piece, int mr,
+                                                 int kb, int KB, int SB, float d, float sum, int half_d) {
     const float dd = half_d ? __half2float(__float2half(d)) : d;
-    dc[((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr] = make_float2(dd * 0x1p111f, dd * -0x1p-19f);
+    const size_t at = ((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr;
+    dc[at] = make_float2(dd * 0x1p111f, dd * -0x1p-19f);
+    if (sa) sa[at] = __half2float(__float2half(sum)) * 0x1p-38f;
     if (kb == KB - 1)
-        for (int kp = kb + 1; kp < 4 * SB; ++kp) dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
+        for (int kp = kb + 1; kp < 4 * SB; ++kp) {
+            const size_t pad = ((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr;
+            dc[pad] = make_float2(0.f, 0.f);
+            if (sa) sa[pad] = 0.f;
+        }
 }
 
 // Small grids: a warp quantizes G consecutive blocks of 4 consecutive rows (8 lanes a row, as in the kernels
@@ -140,8 +149,8 @@ __device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, size_t
 // (parallelism), G = 2 or 4 above (loads in flight): at M = 512, K = 14336, G = 1 ran four waves of one
 // load each, latency-bound (17.3 us against 14.9 with G = 4).
 template <int G>
-__device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, int M, int K,
-                             int SB, int half_d) {
+__device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
+                             float* __restrict__ sa, int M, int K, int SB, int half_d) {
     const int KB = K / QK, lane = threadIdx.x % WARP;
     const unsigned KG = (KB + G - 1) / G, warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
@@ -157,16 +166,23 @@ __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, f
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const Q8_1Block4 r = quantize4<true>(v[g]);
+        float sum = 0.0f;
+        if (sa) {  // the same in every lane of the warp: all lanes shuffle
+            sum = ((v[g].x + v[g].y) + v[g].z) + v[g].w;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        }
         const int kb = kb0 + g, kk = ((kb & 3) << 5) + (lane & 7) * 4;
         if (m >= M || kb >= KB) continue;
         const int within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
         *reinterpret_cast<int*>(qs + ((piece + (kb >> 2)) << 13) + within) = r.packed;
-        if ((lane & 7) == 0) store_mmq_scales(dc, piece, mr, kb, KB, SB, r.d, half_d);
+        if ((lane & 7) == 0) store_mmq_scales(dc, sa, piece, mr, kb, KB, SB, r.d, sum, half_d);
     }
 }
 #define QUANTIZE_MMQ(G, name)                                                                                   \
-    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, int M, int K, int SB, int half_d) {    \
-        quantize_mmq<G>(x, qs, dc, M, K, SB, half_d);                                                           \
+    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, float* sa, int M, int K, int SB,         \
+                                    int half_d) {                                                               \
+        quantize_mmq<G>(x, qs, dc, sa, M, K, SB, half_d);                                                       \
     }
 QUANTIZE_MMQ(1, quantize_q8_1_mmq)
 QUANTIZE_MMQ(2, quantize_q8_1_mmq2)
@@ -182,10 +198,10 @@ QUANTIZE_MMQ(4, quantize_q8_1_mmq4)
 // 128-byte core matrices.  A warp: rows (lane & 7) of 8, block (lane >> 4) of 2, h = bit 3.
 // H100, quantize alone, same buffer: M = 512 K = 4096 4.5 -> 3.9 us, K = 14336 12.4 -> 11.1,
 // M = 2048 K = 4096 15.7 -> 14.6; slower on small grids (M = 128 K = 4096 2.3 -> 2.6 us), which keep the
-// kernel above.
+// kernel above.  It writes no sums (sa must be null: launch.py takes the kernels above for formats with a minimum).
 extern "C" __global__ void __launch_bounds__(256)
-quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, int M, int K,
-                       int SB, int half_d) {
+quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, float* sa, int M,
+                       int K, int SB, int half_d) {
     __shared__ float4 stage[8][16][8];  // a warp's 16 (row, block) pairs x 8 chunks of 4 values
     const int KB = K / QK, lane = threadIdx.x % WARP, w = threadIdx.x / WARP, h = (lane >> 3) & 1;
     const unsigned KW = (KB + 1) / 2, warp = blockIdx.x * (blockDim.x / WARP) + w;
@@ -220,5 +236,5 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
     const int within = ((((mr >> 3) << 3) + chunk) << 7) + ((mr & 7) << 4);
     *reinterpret_cast<int4*>(qs + ((piece + (kb >> 2)) << 13) + within) = h ? make_int4(r0, w2, r1, w3)
                                                                               : make_int4(w0, r0, w1, r1);
-    if (h == 0) store_mmq_scales(dc, piece, mr, kb, KB, SB, d, half_d);
+    if (h == 0) store_mmq_scales(dc, nullptr, piece, mr, kb, KB, SB, d, 0.0f, half_d);
 }

@@ -1,6 +1,8 @@
-// FP32-activation kernels (W4A16 / W8A16): weights dequantized inside the kernel, fp32 math; and the
-// one-time dequantization to fp16 / fp32 that the cuBLAS kernels multiply with.
+// FP32-activation kernels (W4A16 / W8A16): weights dequantized inside the kernel, fp32 math; the
+// one-time dequantization to fp16 / fp32 that the cuBLAS kernels multiply with; and the float matrices'
+// own kernels (llama.cpp's F16 matrix-vector product, activations to bf16).
 #include "common.cuh"
+#include <cuda_bf16.h>
 
 template <typename T>
 __device__ void w16_naive(const u8* __restrict__ W, const float* __restrict__ X, float* __restrict__ Y,
@@ -88,3 +90,32 @@ __device__ void dequantize(const u8* __restrict__ W, OUT* __restrict__ out, long
         dequantize<T, __half>(W, out, n);                                                                  \
     }
 QGEMM_FOR_TYPES(W16)
+
+// llama.cpp's mul_mat_vec_f for an F16 matrix and one activation row, at its default precision, bit for bit
+// (reference.ref_f16_mmvf): a block of bs threads a row (bs from mmvf_block_size), thread t keeps a half2
+// sum of fma(w, half2(x), sum) over value pairs t, t + bs, ...; then low + high in float, a butterfly warp
+// sum, and the warps' sums (zero-padded to 32) through shared memory and a second butterfly.
+extern "C" __global__ void __launch_bounds__(256)
+mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __restrict__ Y, int N, int K) {
+    __shared__ float part[WARP];
+    const int n = blockIdx.x, t = threadIdx.x, warp = t / WARP, lane = t % WARP, pairs = K / 2;
+    const __half2* w = W + (size_t)n * pairs;
+    __half2 sum = __float2half2_rn(0.0f);
+    for (int j = t; j < pairs; j += blockDim.x) sum = __hfma2(w[j], __float22half2_rn(x[j]), sum);
+    float s = warp_sum(__low2float(sum) + __high2float(sum));
+    if (blockDim.x > WARP) {
+        if (warp == 0) part[lane] = 0.0f;
+        __syncthreads();
+        if (lane == 0) part[warp] = s;
+        __syncthreads();
+        if (warp > 0) return;
+        s = warp_sum(part[lane]);
+    }
+    if (t == 0) Y[n] = s;
+}
+
+// Activations for a BF16 matrix's cuBLAS product: rounded to bfloat16, to nearest even (as ggml converts them).
+extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16_rn(x[i]);
+}

@@ -45,7 +45,7 @@ def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> KernelSpec | N
                 spec = _usable(backend, name, type_name, m, n, k)
                 if spec is not None:
                     return spec
-    for name in FALLBACK_SMALL_M if m <= 8 else FALLBACK_LARGE_M:
+    for name in (*(FALLBACK_SMALL_M if m <= 8 else FALLBACK_LARGE_M), *KERNELS):  # then any of the formula
         spec = _usable(backend, name, type_name, m, n, k)
         if spec is not None:
             return spec
