@@ -27,13 +27,20 @@ LLAMA_CPP_US = {
     ("Q8_0", 4096): {1: 7.81, 8: 14.39, 32: 21.27, 128: 40.56, 512: 91.98, 2048: 351.84},
     ("Q4_0", 14336): {1: 14.91, 8: 34.20, 32: 49.99, 128: 103.98, 512: 316.55, 2048: 1196.34},
     ("Q8_0", 14336): {1: 27.25, 8: 46.42, 32: 60.71, 128: 109.59, 512: 318.22, 2048: 1227.01},
+    # anchors.md, "Every block format" (2026-11-22, same method); F16/BF16/F32: ggml's cuBLAS path
+    ("Q4_1", 4096): {1: 8.1, 8: 11.7, 32: 21.8, 128: 45.8, 512: 101.7, 2048: 399.0},
+    ("Q5_0", 4096): {1: 9.7, 8: 13.7, 32: 24.6, 128: 44.9, 512: 102.6, 2048: 400.9},
+    ("Q5_1", 4096): {1: 7.7, 8: 13.1, 32: 23.7, 128: 47.5, 512: 108.6, 2048: 431.1},
+    ("Q4_1", 14336): {1: 12.6, 8: 32.5, 32: 51.0, 128: 117.5, 512: 351.2, 2048: 1387.1},
+    ("Q5_0", 14336): {1: 18.9, 8: 39.1, 32: 63.0, 128: 115.2, 512: 357.3, 2048: 1387.5},
+    ("Q5_1", 14336): {1: 19.7, 8: 37.7, 32: 59.5, 128: 125.9, 512: 375.7, 2048: 1480.2},
+    ("F16", 4096): {1: 9.0, 8: 9.9, 32: 22.3, 128: 28.6, 512: 55.7, 2048: 172.4},
+    ("BF16", 4096): {1: 9.5, 8: 9.9, 32: 15.4, 128: 20.4, 512: 40.0, 2048: 141.7},
 }
 CUBLAS_F16_US = {
     4096: {1: 8.96, 8: 9.86, 32: 18.10, 128: 27.79, 512: 53.31, 2048: 169.47},
     14336: {1: 40.36, 8: 47.46, 32: 60.37, 128: 72.53, 512: 138.76, 2048: 492.38},
 }
-DEMO_TENSOR = {("Q4_0", 4096): "blk.0.attn_q.weight", ("Q8_0", 4096): "blk.0.attn_k.weight",
-               ("Q4_0", 14336): "blk.0.ffn_down.weight", ("Q8_0", 14336): "blk.1.ffn_down.weight"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,10 +117,8 @@ def copy_bandwidth(cupy: Any) -> float:
 
 def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[], Any]:
     """The activation work timed with each GEMM (llama.cpp's times include it): Q8_1 quantization into the
-    kernel's layout, the fp16 cast of the cuBLAS baseline, or nothing.  Buffers are made here, beforehand:
+    kernel's layout, the fp16 / bf16 cast of the cuBLAS kernels, or nothing.  Buffers are made here, beforehand:
     graphs cannot allocate."""
-    import cupy
-
     from kernels.cuda import launch
 
     m, k = x.shape
@@ -125,12 +130,11 @@ def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[]
             launch.quantize_into(mods, layout, x, acts)
             return acts
         return quantize
-    if spec.activation_format == "f16":
-        xh = cupy.empty((m, k), dtype=cupy.float16)
+    if spec.activation_format in ("f16", "bf16"):
+        out = launch.float_activations(mods, spec.activation_format, x)  # allocated here, then written in place
 
         def cast() -> Any:
-            cupy.copyto(xh, x)
-            return xh
+            return launch.float_activations(mods, spec.activation_format, x, out)
         return cast
     return lambda: x
 
@@ -145,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kernels.cuda.backend import CudaBackend
     from kernels.registry import KERNELS
     from kernels.tuning import peak_int8_tops
-    from models.demo import ensure_demo
+    from models.demo import BENCH_TENSORS, ensure_demo
 
     settings = Settings.from_env(backend="cuda")
     demo, _ = ensure_demo(settings.models_dir)
@@ -164,7 +168,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak = peak_int8_tops(cupy, mods)
             for type_name in args.types.split(","):
                 for k in (int(x) for x in args.k.split(",")):
-                    t = tensors[DEMO_TENSOR[(type_name, k)]]
+                    if (type_name, k) not in BENCH_TENSORS:
+                        print(f"{type_name} K={k}: the demo holds no benchmark tensor of it, skipped", flush=True)
+                        continue
+                    t = tensors[BENCH_TENSORS[(type_name, k)]]
                     raw = np.asarray(t.data)
                     n = raw.shape[0]
                     wbytes = raw.nbytes
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     layouts: dict[str, list[dict]] = {}
                     for name in names:
                         lay = KERNELS[name].weight_layout
-                        if lay not in layouts:
+                        if type_name in KERNELS[name].weight_types and lay not in layouts:
                             one = launch.make_layout(mods, lay, type_name, raw, n, k)
                             size = sum(int(a.nbytes) for a in one.values())
                             copies = max(2, math.ceil(3 * backend.l2_bytes / size))
@@ -270,8 +277,8 @@ def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
 Device: **{result['device']}** (compute capability {result['compute_capability'] / 10:.1f}, {result['sm_count']} SMs,
 {result['l2_bytes'] >> 20} MiB L2), measured {result['date']} with `qgemm bench` (`scripts/gpu-check.sh bench`).
 
-Method: weights are the demo model's tensors (`blk.0.attn_q` Q4_0 and `blk.0.attn_k` Q8_0 at K=4096,
-`blk.0.ffn_down` Q4_0 and `blk.1.ffn_down` Q8_0 at K=14336; N=4096), uploaded in each kernel's layout.
+Method: weights are the demo model's benchmark tensors of each type and K (`models/demo.py`, BENCH_TENSORS;
+N=4096), uploaded in each kernel's layout.
 Kernels are compiled before timing ({result['compile_ms']:.0f} ms at start-up). Per (kernel, M): warm-up
 runs, then {result['reps']} back-to-back calls captured in a CUDA graph, replayed {result['reps']} times between CUDA
 events; the figure is the median replay over the calls in it (calls slower than 2 ms go into graphs of fewer

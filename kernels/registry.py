@@ -149,6 +149,8 @@ for _spec in (
     _cuda("mmvf_f16", "f16_mmvf", "f16", "an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit "
           "for bit: a block of threads a row summing half2 FMAs of weights and half activations, float butterflies",
           max_m=1, types=("F16",)),
+    _cuda("mmv_bf16", "f32", "bf16", "a BF16 matrix times one fp32 row (llama.cpp's formula at M = 1): a warp per "
+          "row streaming 16-byte loads of bf16 weights, fp32 FMAs, a butterfly", max_m=1, types=("BF16",)),
     _cuda("mmq", "q8_1_mmq", "mmq", "llama.cpp's MMQ formula on int8 tensor cores (mma.sync m16n8k32, one quant block "
           "per MMA), weights repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized "
           "into the layout the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline "
@@ -162,6 +164,9 @@ for _spec in (
     _cuda("gemv", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: M = 1 a warp per weight row streaming "
           "16-byte loads with several in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a "
           "skinny int8 MMA (16 weight rows x 8 activation rows) with K split across the block's warps",
+          min_cc=80, max_m=8, activation_layout="split", types=QUANT_TYPES),
+    _cuda("gemv_rows", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per "
+          "weight row, several 16-byte loads in flight, dp4a) with each weight block reused for every activation row",
           min_cc=80, max_m=8, activation_layout="split", types=QUANT_TYPES),
 ):
     KERNELS[_spec.name] = _spec

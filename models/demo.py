@@ -20,7 +20,7 @@ SCALE = 0.02
 
 T = GGMLQuantizationType
 Q4_0, Q8_0, F32, F16 = T.Q4_0, T.Q8_0, T.F32, T.F16
-DEMO_VERSION = 2  # bumped when the tensor list changes: an older demo.gguf is written again
+DEMO_VERSION = 3  # bumped when the tensor list changes: an older demo.gguf is written again
 
 # (name, type, row-major shape [N, K])
 DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
@@ -38,7 +38,17 @@ DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
     *[(f"{size}.{t.name.lower()}.weight", t, shape) for t in (T.Q4_1, T.Q5_0, T.Q5_1, T.BF16, T.F32)
       for size, shape in (("small", (257, 96)), ("tiny", (33, 64)))],
     ("small.q2_k.weight", T.Q2_K, (64, 256)),  # a matrix of a type matmul does not take yet (random block bytes)
+    # version 3: the benchmark shapes (N = 4096) of every new format, for `qgemm bench --types` (floats at K = 4096)
+    *[(f"bench.{t.name.lower()}.k{k}.weight", t, (4096, k)) for t in (T.Q4_1, T.Q5_0, T.Q5_1) for k in (4096, 14336)],
+    *[(f"bench.{t.name.lower()}.k4096.weight", t, (4096, 4096)) for t in (T.F16, T.BF16)],
 ]
+
+# the tensor `qgemm bench` times each (type, K) on
+BENCH_TENSORS: dict[tuple[str, int], str] = {
+    ("Q4_0", 4096): "blk.0.attn_q.weight", ("Q8_0", 4096): "blk.0.attn_k.weight",
+    ("Q4_0", 14336): "blk.0.ffn_down.weight", ("Q8_0", 14336): "blk.1.ffn_down.weight",
+    **{(t.name, shape[1]): name for name, t, shape in DEMO_TENSORS if name.startswith("bench.")},
+}
 
 
 def _values(index: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -513,6 +513,50 @@ __device__ void gemv1(SplitWeights<T> W, const i8* __restrict__ aq, const __half
     if (lane == 0) Y[n] = acc;
 }
 
+// gemv_rows, 2 <= M <= 8: gemv's stream (a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in
+// flight) with each unpacked weight block reused for the batch's MT activation rows (read through L1/L2, as
+// llama.cpp's MMVQ does): weight bytes once, activation words per row.
+template <typename T, int MT>
+__device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                          float* __restrict__ Y, int M, int N, int K) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
+    if (n >= N) return;
+    const int KB = K / QK;
+    const int4* wrow = reinterpret_cast<const int4*>(W.qs + (size_t)n * KB * T::QS_BYTES);
+    const typename T::Scale* drow = W.d + (size_t)n * KB;
+    const unsigned* hrow = W.qh + (size_t)n * KB;
+    float acc[MT] = {};
+    GemvStep<T> cur, nxt;
+    cur.load(wrow, drow, hrow, lane, KB);
+    for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
+        nxt.load(wrow, drow, hrow, kb0 + WARP * GEMV_U, KB);
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int kb = kb0 + u * WARP;
+            if (kb < KB) {
+                int w[8];
+                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    if (i < M) {
+                        const int4* arow = reinterpret_cast<const int4*>(aq + (size_t)i * K);
+                        const int4 a0 = __ldg(arow + (size_t)kb * 2), a1 = __ldg(arow + (size_t)kb * 2 + 1);
+                        const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                        acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[(size_t)i * KB + kb]);
+                    }
+                }
+            }
+        }
+        cur = nxt;
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const float sum = warp_sum(acc[i]);
+        if (lane == 0 && i < M) Y[(size_t)i * N + n] = sum;
+    }
+}
+
 // 2 <= M <= 8: a skinny tensor-core product.  One MMA m16n8k32 takes 16 weight rows as A and 8
 // activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
 // 4-byte activation fragment loads bind the LSU), the 8 warps of a block split K, then add in shared
@@ -597,5 +641,10 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
         skinny1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y, \
                     int M, int N, int K) {                                                                      \
         skinny<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        gemv_rows_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads,       \
+                      float* Y, int M, int N, int K) {                                                          \
+        gemv_rows<T, 8>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                       \
     }
 QGEMM_FOR_FAST_TYPES(FAST)

@@ -208,6 +208,12 @@ def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, 
                                                                           I32(m), I32(n), I32(k)))
 
 
+def _gemv_rows(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    mods.function("fast.cu", f"gemv_rows_{t}")((cdiv(n, 8),), (256,),
+                                               (w["qs"], w["d"], w.get("qh", w["qs"]), a["qs"], a["ds"], y,
+                                                I32(m), I32(n), I32(k)))
+
+
 def _cublas(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
     cublas.gemm_xwt(a, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
 
@@ -218,16 +224,23 @@ def _mmvf_f16(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: i
     mods.function("w16.cu", "mmvf_f16")((n,), (mmvf_block_size(k),), (w["w"], a, y, I32(n), I32(k)))
 
 
-def float_activations(mods: Any, activation_format: str, x: cupy.ndarray) -> cupy.ndarray:
+def _mmv_bf16(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    mods.function("w16.cu", "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], a, y, I32(n), I32(k)))
+
+
+def float_activations(mods: Any, activation_format: str, x: cupy.ndarray, out: cupy.ndarray | None = None
+                      ) -> cupy.ndarray:
     """The activations a float kernel reads: fp32 as they are (f32, f16_mmvf: the kernel rounds them), cast to
-    fp16, or rounded to bf16 (its bits as uint16: CuPy has no bfloat16)."""
+    fp16, or rounded to bf16 (its bits as uint16: CuPy has no bfloat16); into `out` when given (graphs)."""
+    if activation_format not in ("f16", "bf16"):
+        return x
+    if out is None:
+        out = cupy.empty(x.shape, dtype=cupy.float16 if activation_format == "f16" else cupy.uint16)
     if activation_format == "f16":
-        return x.astype(cupy.float16)
-    if activation_format == "bf16":
-        out = cupy.empty(x.shape, dtype=cupy.uint16)
+        cupy.copyto(out, x)
+    else:
         mods.function("w16.cu", "to_bf16")((cdiv(x.size, 256),), (256,), (x, out, I64(x.size)))
-        return out
-    return x
+    return out
 
 
 LAUNCHERS: dict[str, Launch] = {
@@ -242,9 +255,11 @@ LAUNCHERS: dict[str, Launch] = {
     "cublas_f32": Launch("w16.cu", _cublas),
     "cublas_bf16": Launch("w16.cu", _cublas),
     "mmvf_f16": Launch("w16.cu", _mmvf_f16),
+    "mmv_bf16": Launch("w16.cu", _mmv_bf16),
     "mmq": Launch("fast.cu", _mmq),
     "mmq_wgmma": Launch("fast.cu", partial(_mmq, base="mmq_wgmma")),
     "gemv": Launch("fast.cu", _gemv),
+    "gemv_rows": Launch("fast.cu", _gemv_rows),
 }
 
 

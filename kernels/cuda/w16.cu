@@ -101,6 +101,7 @@ mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __r
     const int n = blockIdx.x, t = threadIdx.x, warp = t / WARP, lane = t % WARP, pairs = K / 2;
     const __half2* w = W + (size_t)n * pairs;
     __half2 sum = __float2half2_rn(0.0f);
+#pragma unroll 8  // loads of 8 pairs in flight before their FMAs (in the same order)
     for (int j = t; j < pairs; j += blockDim.x) sum = __hfma2(w[j], __float22half2_rn(x[j]), sum);
     float s = warp_sum(__low2float(sum) + __high2float(sum));
     if (blockDim.x > WARP) {
@@ -118,4 +119,29 @@ mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __r
 extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// A BF16 matrix times one fp32 activation row (llama.cpp's formula at M = 1: fp32 activations, fp32 sums):
+// a warp per row, 16-byte loads of 8 bf16 weights (widened exactly), lanes over K, a butterfly at the end.
+extern "C" __global__ void __launch_bounds__(256)
+mmv_bf16(const uint4* __restrict__ W, const float4* __restrict__ x, float* __restrict__ Y, int N, int K) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, n = blockIdx.x * (blockDim.x / WARP) + warp;
+    if (n >= N) return;
+    const int chunks = K / 8;
+    const uint4* row = W + (size_t)n * chunks;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int j = lane; j < chunks; j += WARP) {
+        const int4 w = load_once<false>(reinterpret_cast<const int4*>(row) + j);  // streamed once
+        const float4 x0 = __ldg(x + 2 * j), x1 = __ldg(x + 2 * j + 1);
+        const unsigned b[4] = {unsigned(w.x), unsigned(w.y), unsigned(w.z), unsigned(w.w)};
+        const float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc = fmaf(__uint_as_float(b[i] << 16), v[2 * i], acc);
+            acc = fmaf(__uint_as_float(b[i] & 0xFFFF0000u), v[2 * i + 1], acc);
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) Y[n] = acc;
 }

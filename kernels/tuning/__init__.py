@@ -13,7 +13,7 @@ from typing import Any
 from kernels.registry import KERNELS, KernelSpec, llama_formula
 
 TABLE = Path(__file__).with_name("table.json")
-FALLBACK_SMALL_M = ("gemv", "vec_dp4a", "tiled_dp4a")  # M <= 8: stream the weights
+FALLBACK_SMALL_M = ("gemv", "gemv_rows", "vec_dp4a", "tiled_dp4a")  # M <= 8: stream the weights
 FALLBACK_LARGE_M = ("mmq", "mmq_wgmma")  # reuse weights from shared memory
 
 
@@ -67,8 +67,17 @@ def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
             groups.setdefault((r["type"], r["K"], r["M"]), []).append(r)
     entries = [{"type": t, "K": k, "M": m, "N": rows[0]["N"],
                 "ranking": [r["kernel"] for r in sorted(rows, key=lambda r: r["total_us"])],
-                "best_us": min(r["total_us"] for r in rows)}
+                "best_us": min(r["total_us"] for r in rows), "date": result["date"]}
                for (t, k, m), rows in sorted(groups.items())]
+    # a run of some types replaces their entries and keeps the other types' (measured on the same device)
+    measured = {e["type"] for e in entries}
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    if old.get("device") == result["device"]:
+        entries = sorted([e for e in old.get("entries", []) if e["type"] not in measured] + entries,
+                         key=lambda e: (e["type"], e["K"], e["M"]))
     path.write_text(json.dumps({"device": result["device"], "date": result["date"],
                                 "method": "qgemm bench --tune: quantize+GEMM (CUDA-graph replays), rotating weights; "
                                           "Q8_1 kernels only",
