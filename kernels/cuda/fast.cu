@@ -478,44 +478,9 @@ struct SplitWeights {
     const unsigned* __restrict__ qh;
 };
 
-template <typename T>
-__device__ void gemv1(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
-                      float* __restrict__ Y, int N, int K) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
-    if (n >= N) return;
-    const int KB = K / QK;
-    const int4* wrow = reinterpret_cast<const int4*>(W.qs + (size_t)n * KB * T::QS_BYTES);
-    const typename T::Scale* drow = W.d + (size_t)n * KB;
-    const unsigned* hrow = W.qh + (size_t)n * KB;
-    const int4* arow = reinterpret_cast<const int4*>(aq);
-    float acc = 0.0f;
-    GemvStep<T> cur, nxt;
-    cur.load(wrow, drow, hrow, lane, KB);
-    let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
-    wait_for_inputs();
-    for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
-        nxt.load(wrow, drow, hrow, kb0 + WARP * GEMV_U, KB);
-#pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) {
-            const int kb = kb0 + u * WARP;
-            if (kb < KB) {
-                int w[8];
-                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
-                const int4 a0 = __ldg(arow + (size_t)kb * 2), a1 = __ldg(arow + (size_t)kb * 2 + 1);
-                const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                acc += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[kb]);
-            }
-        }
-        cur = nxt;
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) Y[n] = acc;
-}
-
-// gemv_rows, 2 <= M <= 8: gemv's stream (a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in
-// flight) with each unpacked weight block reused for the batch's MT activation rows (read through L1/L2, as
-// llama.cpp's MMVQ does): weight bytes once, activation words per row.
+// The weight stream: a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in flight; each
+// unpacked weight block serves the batch's rows (up to MT, read through L1/L2, as llama.cpp's MMVQ does).
+// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.
 template <typename T, int MT>
 __device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                           float* __restrict__ Y, int M, int N, int K) {
@@ -529,6 +494,8 @@ __device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __
     float acc[MT] = {};
     GemvStep<T> cur, nxt;
     cur.load(wrow, drow, hrow, lane, KB);
+    let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
+    wait_for_inputs();        // (both no-ops unless launched dependent: pdl.py)
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
         nxt.load(wrow, drow, hrow, kb0 + WARP * GEMV_U, KB);
 #pragma unroll
@@ -635,7 +602,7 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y,   \
                   int N, int K) {                                                                               \
-        gemv1<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, N, K);                                 \
+        gemv_rows<T, 1>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, 1, N, K);                                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         skinny1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y, \
