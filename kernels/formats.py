@@ -29,13 +29,22 @@ class BlockFormat:
     # both products rounded to half before they scale sumi and are added (vec_dot_q4_1/q5_1_q8_1_impl)
     mmvq_half_products: bool = False
     # the activation-scale layout llama.cpp's MMQ (tensor cores, mmq.cuh) quantizes X into for these weights:
-    # "D4" keeps each block's d_a in float, "DS4" stores (d_a, s_a) as half2 (its formula reads d_a as a half)
+    # "D4" keeps each block's d_a in float, "DS4" stores (d_a, s_a) as half2 (its formula reads d_a as a half),
+    # "D2S6" (Q2_K) a half d_a per 64 values and half sums of 16 for the first 96 of every 128
     mmq_ds_layout: str = ""
     is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
     # float matrices: the formula llama.cpp computes them with at M = 1 and above (measured against ggml,
     # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; above 1, cuBLAS on activations rounded to the
     # weights' type (bf16, or f16: ggml also accumulates F16 in half, which we do not follow: fp32 here)
     float_formulas: tuple[str, str] = ("f32", "f32")
+    # grouped formats (K-quants, IQ4_NL/IQ4_XS, MXFP4; kernels/groups.py decodes them): integer values with a
+    # weight scale per group of this many values (16 or 32); 0 for the legacy formats above
+    group_values: int = 0
+    group_min: bool = False  # x = scale*q - min per group: MMVQ takes min*d_a*Σq_a, MMQ min*s_a (DS4, D2S6)
+
+    @property
+    def grouped(self) -> bool:
+        return self.group_values > 0
 
     @property
     def header_halves(self) -> int:
@@ -44,13 +53,13 @@ class BlockFormat:
 
     @property
     def qs_bytes(self) -> int:
-        """Bytes of quants a block ends with: 16 of nibbles or 32 of int8 (block formats)."""
+        """Bytes of quants a legacy block ends with: 16 of nibbles or 32 of int8."""
         return self.block_bytes - 2 * self.header_halves - (4 if self.fifth_bits else 0)
 
     @property
     def uses_activation_sum(self) -> bool:
         """Whether its dot product with Q8_1 reads the activations' block sum s_a (then s_a must fit in half)."""
-        return self.offset != 0 or self.has_min
+        return self.offset != 0 or self.has_min or self.group_min
 
     @property
     def quantizes_activations(self) -> bool:
@@ -82,6 +91,23 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
         _fmt(T.Q8_0, True, "half d; 32 int8 q; x = d*q", mmq_ds_layout="D4"),
         _fmt(T.Q8_1, False, "half2 ds = (d, sum of the original x); 32 int8 q; x = d*q (activations only)",
              nbytes=36),  # llama.cpp's CUDA block_q8_1; gguf-py's table lists an older 40-byte one
+        # grouped formats: llama.cpp's MMQ activation layouts from mmq_get_q8_1_ds_layout (mmq.cuh)
+        _fmt(T.Q2_K, True, "256 values: 16 bytes of 4-bit scale and min per 16, 64 bytes of 2-bit q, half d, half "
+             "dmin; x = d*sc*q - dmin*m", group_values=16, group_min=True, mmq_ds_layout="D2S6"),
+        _fmt(T.Q3_K, True, "256 values: 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales per 16, half d; "
+             "x = d*(sc-32)*(q-4 if its high bit is clear else q)", group_values=16, mmq_ds_layout="D4"),
+        _fmt(T.Q4_K, True, "256 values: half d, half dmin, 12 bytes of 6-bit scales and mins per 32, 128 bytes of "
+             "nibbles; x = d*sc*q - dmin*m", group_values=32, group_min=True, mmq_ds_layout="DS4"),
+        _fmt(T.Q5_K, True, "256 values: Q4_K's fields and 32 bytes of fifth bits; x = d*sc*q - dmin*m (q 0..31)",
+             group_values=32, group_min=True, mmq_ds_layout="DS4"),
+        _fmt(T.Q6_K, True, "256 values: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales per 16, half "
+             "d; x = d*sc*(q-32)", group_values=16, mmq_ds_layout="D4"),
+        _fmt(T.IQ4_NL, True, f"half d; {NIBBLES}; x = d*kvalues_iq4nl[q] (a non-linear code book)",
+             group_values=32, mmq_ds_layout="D4"),
+        _fmt(T.IQ4_XS, True, "256 values: half d, 6-bit scales per 32 (uint16 of high bits, 4 bytes of low), 128 "
+             "bytes of nibbles; x = d*(ls-32)*kvalues_iq4nl[q]", group_values=32, mmq_ds_layout="D4"),
+        _fmt(T.MXFP4, True, f"uint8 e (E8M0); {NIBBLES}; x = 2^(e-127) * E2M1 value of q",
+             group_values=32, mmq_ds_layout="D4"),
         _fmt(T.F32, True, "one float per value", is_float=True),
         _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f16")),
         _fmt(T.BF16, True, "one bfloat16 per value", is_float=True, float_formulas=("f32", "bf16")),
@@ -90,13 +116,17 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
 
 MATMUL_TYPES: frozenset[str] = frozenset(f.name for f in FORMATS.values() if f.matmul)
 QUANT_TYPES: tuple[str, ...] = tuple(f.name for f in FORMATS.values() if f.quantizes_activations)  # Q8_1 dots
-# llama.cpp's MMQ multiplies these as signed int8 (q - offset) with one scale a block (vec_dot_q8_0_q8_1_mma)
-MMQ_SIGNED_TYPES: tuple[str, ...] = tuple(t for t in QUANT_TYPES if not FORMATS[GGMLQuantizationType[t]].has_min)
+# llama.cpp's MMQ multiplies these as signed int8 (q - offset) with one scale per 32 values (vec_dot_q8_0_q8_1_mma)
+MMQ_SIGNED_TYPES: tuple[str, ...] = tuple(
+    t for t in QUANT_TYPES if (f := FORMATS[GGMLQuantizationType[t]]).mmq_ds_layout in ("D4", "DS4")
+    and not f.has_min and not f.group_min and f.group_values in (0, QK))
+LEGACY_TYPES: tuple[str, ...] = tuple(t for t in QUANT_TYPES if not FORMATS[GGMLQuantizationType[t]].grouped)
+GROUPED_TYPES: tuple[str, ...] = tuple(t for t in QUANT_TYPES if FORMATS[GGMLQuantizationType[t]].grouped)
 FLOAT_TYPES: tuple[str, ...] = tuple(f.name for f in FORMATS.values() if f.matmul and f.is_float)
 
 
 def mmq_ds_layout(type_name: str) -> str:
-    """The MMQ activation-scale layout for weights of this type ("D4" or "DS4")."""
+    """The MMQ activation-scale layout for weights of this type ("D4", "DS4" or Q2_K's "D2S6")."""
     fmt = format_of(type_name)
     if fmt is None or not fmt.mmq_ds_layout:
         raise ValueError(f"llama.cpp's MMQ has no formula for {type_name} here")

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
+from kernels import groups
 from kernels.formats import FORMATS, QK, QUANT_TYPES
+from kernels.groups import GroupWeights
 
 Q8_1_BLOCK = np.dtype([("ds", "<f2", (2,)), ("qs", "i1", (QK,))])  # 36 bytes, as block_q8_1
 assert Q8_1_BLOCK.itemsize == FORMATS[GGMLQuantizationType.Q8_1].block_bytes
@@ -107,6 +109,8 @@ def quantize_q8_1_mmq(x: np.ndarray, ds_layout: str) -> Q8_1:
     """llama.cpp's `quantize_mmq_q8_1` (the activations of its MMQ path): d_inv = 127/amax and
     q = roundf(x*d_inv) in fp32, d = 1/d_inv; D4 keeps d in float32, DS4 stores it as a half with the
     block's sum (four values a thread added in order, then a butterfly over the block's 8 threads)."""
+    if ds_layout == "D2S6":
+        return quantize_q8_1_d2s6(x)
     if ds_layout not in ("D4", "DS4"):
         raise ValueError(f"no MMQ activation layout {ds_layout!r}")
     xb, amax = _blocks(x)
@@ -124,6 +128,33 @@ def quantize_q8_1_mmq(x: np.ndarray, ds_layout: str) -> Q8_1:
     with np.errstate(over="ignore"):
         s = warp_sum(s).astype(np.float16)
         return Q8_1(q.reshape(m, k), d.astype(np.float16) if ds_layout == "DS4" else d.astype(np.float32), s)
+
+
+D2S6_SCALE, D2S6_SUM = 64, 16  # Q2_K's MMQ activations: a scale per 64 values, a sum per 16
+
+
+def quantize_q8_1_d2s6(x: np.ndarray) -> Q8_1:
+    """llama.cpp's `quantize_mmq_q8_1` in its D2S6 layout (Q2_K's MMQ): d_inv = 127/amax over 64 values, d a
+    half; s [M, K/16] the half sums of 16 values (four a thread, then a butterfly over 4 threads) for the first
+    96 values of every 128, 0 for the last 32 (its formula takes their integer sums instead).  Here d is
+    [M, K/64], not per block."""
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    if k % 128:
+        raise ValueError(f"K={k} is not a multiple of 128 (Q2_K's MMQ activation blocks)")
+    xb = x.reshape(m, k // D2S6_SCALE, D2S6_SCALE)
+    amax = np.abs(xb).max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        d_inv = np.float32(127) / amax
+        r = roundf(xb * d_inv[..., None])
+        d = (np.float32(1) / d_inv).astype(np.float16)
+    q = np.where(np.isnan(r), 0, np.clip(r, -128, 127)).astype(np.int8)
+    fours = x.reshape(m, k // D2S6_SUM, 4, 4)
+    t = ((fours[..., 0] + fours[..., 1]) + fours[..., 2]) + fours[..., 3]
+    with np.errstate(over="ignore"):
+        sums = warp_sum(t).astype(np.float16).reshape(m, k // 128, 8)
+    sums[..., 6:] = 0
+    return Q8_1(q.reshape(m, k), d, sums.reshape(m, k // D2S6_SUM))
 
 
 HALF_INF = 65520.0  # float16 rounds every |v| >= this to infinity (65504 is its largest finite value)
@@ -206,8 +237,8 @@ def block_fields(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarra
     lays them out: (header float16 [N, KB, 1 or 2]: d or (d, m); qh uint8 [N, KB, 4] or None; qs uint8
     [N, KB, 16 or 32])."""
     fmt = FORMATS.get(GGMLQuantizationType[type_name]) if type_name in GGMLQuantizationType.__members__ else None
-    if fmt is None or not fmt.quantizes_activations:
-        raise ValueError(f"no integer unpacking for {type_name}")
+    if fmt is None or not fmt.quantizes_activations or fmt.grouped:
+        raise ValueError(f"no legacy block unpacking for {type_name}")
     raw = np.asarray(raw, dtype=np.uint8)
     blocks = raw.reshape(raw.shape[0], -1, fmt.block_bytes)
     h = 2 * fmt.header_halves
@@ -226,7 +257,11 @@ def unpack_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return q.reshape(q.shape[0], -1), head[..., 0], head[..., 1] if head.shape[-1] == 2 else None
 
 
-def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights:
+def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights | GroupWeights:
+    """The weights as the Q8_1 formulas read them: legacy blocks split, grouped formats decoded (groups.py)."""
+    fmt = FORMATS.get(GGMLQuantizationType[type_name]) if type_name in GGMLQuantizationType.__members__ else None
+    if fmt is not None and fmt.grouped:
+        return groups.decode(type_name, raw)
     q, d, mins = unpack_blocks(type_name, raw)
     n, k = q.shape
     qt = np.ascontiguousarray(q.reshape(n, k // QK, QK).transpose(1, 2, 0), dtype=np.float32)
@@ -275,10 +310,68 @@ def _half_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (a.astype(np.float32) * b.astype(np.float32)).astype(np.float16).astype(np.float32)
 
 
-def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
+def _group_terms(w: GroupWeights, a: Q8_1, mmq: bool, chunk: int = 16):
+    """Yield, per chunk of groups, the parts of a grouped format's product: (d_a [c, M, 1], sumi [c, M, N],
+    q_a sums [c, M, 1], scale [c, 1, N], coef [c, 1, N] or None, S [c, M, 1] or None), float64.  MMVQ: scale,
+    coef are `scale`, `coef` (coef times d_a Σq_a); MMQ: `mmq_scale` and `mmq_min` (times S: the block's s_a
+    (DS4), or Q2_K's D2S6 sums of 16 and d_a Σq_a for the last 32 of every 128)."""
+    m, k = a.shape
+    n, kw = w.q.shape
+    if k != kw:
+        raise ValueError(f"K mismatch: activations have {k}, weights {kw}")
+    g = w.group
+    ng = k // g
+    qa = a.q.reshape(m, ng, g).transpose(1, 0, 2)
+    per = k // a.d.shape[1]  # values a d_a covers: 32, or 64 (D2S6)
+    da = np.repeat(a.d.astype(np.float64).T, per // g, axis=0)[..., None]  # [G, M, 1]
+    d2s6 = mmq and per == D2S6_SCALE
+    scale, coef = (w.mmq_scale, w.mmq_min) if mmq else (w.scale, w.coef)
+    for g0 in range(0, ng, chunk):
+        g1 = min(g0 + chunk, ng)
+        qa_c = qa[g0:g1].astype(np.float32)
+        sumi = np.matmul(qa_c, np.ascontiguousarray(w.q[:, g0 * g:g1 * g].reshape(n, g1 - g0, g).transpose(1, 2, 0),
+                                                    dtype=np.float32)).astype(np.float64)  # exact integers
+        qsum = qa_c.sum(axis=-1, dtype=np.float64)[..., None]
+        sc = scale[:, g0:g1].T[:, None, :]
+        cf = None if coef is None else coef[:, g0:g1].T[:, None, :]
+        big_s = None
+        if mmq and coef is not None:
+            if d2s6:  # the sums of 16, and for the last two groups of every 8, d_a times their integer sums
+                s16 = a.s.astype(np.float64).T[g0:g1, :, None]
+                last = (np.arange(g0, g1) % 8 >= 6)[:, None, None]
+                big_s = np.where(last, da[g0:g1] * qsum, s16)
+            else:  # DS4: groups of 32 are blocks
+                big_s = a.s.astype(np.float64).T[g0:g1, :, None]
+        yield da[g0:g1], sumi, qsum, sc, cf, big_s
+
+
+def _ref_groups(w: GroupWeights, a: Q8_1, mmq: bool) -> np.ndarray:
+    y = np.zeros((a.shape[0], w.q.shape[0]))
+    for da, sumi, qsum, sc, cf, big_s in _group_terms(w, a, mmq):
+        part = da * sc * sumi
+        if cf is not None:
+            part += cf * (big_s if mmq else da * qsum)
+        y += part.sum(axis=0)
+    return y.astype(np.float32)
+
+
+def _ref_groups_terms(w: GroupWeights, a: Q8_1, mmq: bool) -> Terms:
+    mag = np.zeros((a.shape[0], w.q.shape[0]))
+    for da, sumi, qsum, sc, cf, big_s in _group_terms(w, a, mmq):
+        mag += np.abs(da * sc * sumi).sum(axis=0)
+        if cf is not None:
+            mag += np.abs(cf * (big_s if mmq else da * qsum)).sum(axis=0)
+    ng = w.q.shape[1] // w.group
+    return Terms(mag, ng * (2 if w.coef is not None else 1))
+
+
+def ref_q8_1(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
     """Y[M, N] = Σ_blocks of MMVQ's per-block formula; integer sums exact (|sum| < 2^24 in fp32):
     offset formats d_w*(d_a*sumi - c*s_a), Q8_0 d_w*d_a*sumi, formats with a minimum
-    sumi*half(d_w*d_a) + half(m_w*s_a) (the products rounded to half, as `__hmul2` does)."""
+    sumi*half(d_w*d_a) + half(m_w*s_a) (the products rounded to half, as `__hmul2` does); grouped formats
+    Σ_groups d_a*(scale*sumi + coef*Σq_a) (groups.py)."""
+    if isinstance(w, GroupWeights):
+        return _ref_groups(w, a, mmq=False)
     acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
     c = np.float32(_offset(w.type_name))
     half = FORMATS[GGMLQuantizationType[w.type_name]].mmvq_half_products
@@ -301,10 +394,13 @@ def ref_q8_1(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
     return acc
 
 
-def ref_mmq(w: BlockWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
+def ref_mmq(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> np.ndarray:
     """Y[M, N] by llama.cpp's MMQ formula, `a` from `quantize_q8_1_mmq` with the weights' `mmq_ds_layout`:
     Σ_blocks sumi*d_w*d_a over signed weights (q - offset), no sum term (vec_dot_q8_0_q8_1_mma); formats
-    with a minimum (d_w*d_a)*sumi + m_w*s_a in float over their unsigned q (vec_dot_q8_1_q8_1_mma)."""
+    with a minimum (d_w*d_a)*sumi + m_w*s_a in float over their unsigned q (vec_dot_q8_1_q8_1_mma); grouped
+    formats Σ_groups d_a*mmq_scale*sumi + mmq_min*S (groups.py)."""
+    if isinstance(w, GroupWeights):
+        return _ref_groups(w, a, mmq=True)
     acc = np.zeros((a.shape[0], w.q.shape[2]), dtype=np.float32)
     for k0, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk, signed=True)):
         if w.m is not None:
@@ -339,8 +435,10 @@ def _sum_coefficients(w: BlockWeights, dw: np.ndarray, k0: int, n_blocks: int) -
     return c * dw.astype(np.float64) if c else None
 
 
-def ref_q8_1_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
+def ref_q8_1_terms(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> Terms:
     """The terms of `ref_q8_1`: per block |d_w*d_a*sumi| and, for formats with a sum term, |coef*s_a|."""
+    if isinstance(w, GroupWeights):
+        return _ref_groups_terms(w, a, mmq=False)
     m, n = a.shape[0], w.q.shape[2]
     mag, s_ulp = np.zeros((m, n)), np.zeros((m, n))
     has_sum = False
@@ -356,8 +454,10 @@ def ref_q8_1_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
     return Terms(mag, kb * (2 if has_sum else 1), s_ulp if has_sum else None)
 
 
-def ref_mmq_terms(w: BlockWeights, a: Q8_1, chunk: int = 8) -> Terms:
+def ref_mmq_terms(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> Terms:
     """The terms of `ref_mmq`: |sumi * d_w * d_a| per block, and |m_w * s_a| for formats with a minimum."""
+    if isinstance(w, GroupWeights):
+        return _ref_groups_terms(w, a, mmq=True)
     mag = np.zeros((a.shape[0], w.q.shape[2]))
     for i, (sumi, da, sa, dw) in enumerate(_block_dots(w, a, chunk, signed=True)):
         mag += (np.abs(sumi.astype(np.float64)) * np.abs(da.astype(np.float64)) * np.abs(dw.astype(np.float64))).sum(0)

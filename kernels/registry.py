@@ -44,6 +44,9 @@ class KernelSpec:
             return f"{self.name} needs M, N, K >= 1 (got M={m}, N={n}, K={k})"
         if k % self.k_multiple:
             return f"{self.name} needs K to be a multiple of {self.k_multiple} (K={k})"
+        fmt = format_of(type_name)
+        if fmt is not None and not fmt.is_float and k % fmt.block_values:
+            return f"{type_name} rows are whole blocks of {fmt.block_values} values; K={k} is not a multiple"
         if self.max_m is not None and m > self.max_m:
             return f"{self.name} runs M <= {self.max_m} only (M={m})"
         return None

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
+from kernels.groups import random_blocks
 from models.atomic import atomic_file, clean_leftovers
 
 DEMO_FILE = "demo.gguf"
@@ -20,7 +21,8 @@ SCALE = 0.02
 
 T = GGMLQuantizationType
 Q4_0, Q8_0, F32, F16 = T.Q4_0, T.Q8_0, T.F32, T.F16
-DEMO_VERSION = 3  # bumped when the tensor list changes: an older demo.gguf is written again
+GROUPED = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)
+DEMO_VERSION = 4  # bumped when the tensor list changes: an older demo.gguf is written again
 
 # (name, type, row-major shape [N, K])
 DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
@@ -37,10 +39,17 @@ DEMO_TENSORS: list[tuple[str, GGMLQuantizationType, tuple[int, ...]]] = [
     # version 2: every legacy and float format (issue #21); appended, so that the tensors above keep their values
     *[(f"{size}.{t.name.lower()}.weight", t, shape) for t in (T.Q4_1, T.Q5_0, T.Q5_1, T.BF16, T.F32)
       for size, shape in (("small", (257, 96)), ("tiny", (33, 64)))],
-    ("small.q2_k.weight", T.Q2_K, (64, 256)),  # a matrix of a type matmul does not take yet (random block bytes)
+    ("small.q2_k.k256.weight", T.Q2_K, (64, 256)),
     # version 3: the benchmark shapes (N = 4096) of every new format, for `qgemm bench --types` (floats at K = 4096)
     *[(f"bench.{t.name.lower()}.k{k}.weight", t, (4096, k)) for t in (T.Q4_1, T.Q5_0, T.Q5_1) for k in (4096, 14336)],
     *[(f"bench.{t.name.lower()}.k4096.weight", t, (4096, 4096)) for t in (T.F16, T.BF16)],
+    # version 4: the grouped formats (issue #23: K-quants, IQ4_NL / IQ4_XS, MXFP4) from valid random blocks, small
+    # (odd N, K a multiple of 256 that is not a power of two) and at the benchmark shapes; and a matrix of a
+    # type matmul does not take (IQ2_XXS, random bytes)
+    *[(f"{size}.{t.name.lower()}.weight", t, shape) for t in GROUPED
+      for size, shape in (("small", (257, 768)), ("tiny", (33, 256)))],
+    *[(f"bench.{t.name.lower()}.k{k}.weight", t, (4096, k)) for t in GROUPED for k in (4096, 14336)],
+    ("small.iq2_xxs.weight", T.IQ2_XXS, (64, 256)),
 ]
 
 # the tensor `qgemm bench` times each (type, K) on
@@ -89,12 +98,14 @@ def write_gguf(path: Path, tensors: list[Tensor], arch: str = "qgemm-demo", name
 
 
 def _demo_tensor(i: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    if qtype == T.Q2_K:  # gguf cannot quantize K-quants: random block bytes, which decode to finite values
+    rng = np.random.default_rng([DEMO_SEED, i])
+    if qtype in GROUPED:  # gguf cannot quantize most of them: valid random blocks (kernels/groups.py)
+        return random_blocks(qtype.name, shape[0], shape[1], rng, SCALE)
+    if qtype == T.IQ2_XXS:  # random bytes with a finite d: a type qgemm can show but not multiply
         values, nbytes = GGML_QUANT_SIZES[qtype]
-        raw = np.random.default_rng([DEMO_SEED, i]).integers(0, 256, (shape[0], shape[1] // values * nbytes))
-        raw = raw.astype(np.uint8)
-        raw.reshape(shape[0], -1, nbytes)[..., -4:] = np.frombuffer(np.float16([0.01, 0.001]).tobytes(), np.uint8)
-        return raw
+        raw = rng.integers(0, 256, (shape[0], shape[1] // values, nbytes)).astype(np.uint8)
+        raw[..., :2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        return raw.reshape(shape[0], -1)
     return _values(i, shape)
 
 

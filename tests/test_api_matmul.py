@@ -238,8 +238,8 @@ def test_too_many_rows_is_422(models_dir: Path) -> None:
 def test_tensor_that_is_not_a_supported_matrix_is_422(client: TestClient) -> None:
     s, b = _post(client, tensor="blk.0.attn_norm.weight", activations=[[0.5] * 4096])
     assert s == 422 and b["error"]["code"] == "unsupported_tensor"
-    s, b = _post(client, tensor="small.q2_k.weight", activations=[[0.5] * 256])
-    assert s == 422 and "Q2_K" in b["error"]["message"] and "Q4_1" in b["error"]["message"]
+    s, b = _post(client, tensor="small.iq2_xxs.weight", activations=[[0.5] * 256])
+    assert s == 422 and "IQ2_XXS" in b["error"]["message"] and "Q4_K" in b["error"]["message"]
 
 
 def test_unknown_kernel_lists_the_known(client: TestClient) -> None:

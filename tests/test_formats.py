@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from kernels import accuracy
 from kernels import reference as ref
-from kernels.formats import FLOAT_TYPES, FORMATS, QUANT_TYPES, mmq_ds_layout
+from kernels.formats import FLOAT_TYPES, FORMATS, LEGACY_TYPES, QUANT_TYPES, mmq_ds_layout
 from kernels.registry import llama_formula
 from models.demo import DEMO_TENSORS
 from tests.conftest import SMOL_ID
@@ -70,7 +70,7 @@ def run_formula(w: ref.BlockWeights, a: ref.Q8_1, formula: str) -> tuple[np.ndar
 FORMULAS = ["q8_1_mmvq", "q8_1_mmq"]
 
 
-@pytest.mark.parametrize("type_name", QUANT_TYPES)
+@pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_decode_is_ggufs(rng: np.random.Generator, type_name: str) -> None:
     raw = random_weights(rng, type_name, 7, 160)
     q, d, m = ref.unpack_blocks(type_name, raw)
@@ -82,7 +82,7 @@ def test_decode_is_ggufs(rng: np.random.Generator, type_name: str) -> None:
     assert np.array_equal(values.reshape(7, 160), ref.dequantize_weights(type_name, raw))
 
 
-@pytest.mark.parametrize("type_name", QUANT_TYPES)
+@pytest.mark.parametrize("type_name", LEGACY_TYPES)
 @pytest.mark.parametrize("formula", FORMULAS)
 def test_each_formula_is_its_per_block_form(rng: np.random.Generator, type_name: str, formula: str) -> None:
     n, k, m = 9, 96, 4
@@ -124,7 +124,7 @@ def formula_error_bound(type_name: str, formula: str, raw: np.ndarray, x: np.nda
     return bound
 
 
-@pytest.mark.parametrize("type_name", QUANT_TYPES)
+@pytest.mark.parametrize("type_name", LEGACY_TYPES)
 @pytest.mark.parametrize("formula", FORMULAS)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (3, 33, 96), (17, 257, 160), (40, 64, 4096)])
 def test_error_against_fp64_is_the_formulas(rng: np.random.Generator, type_name: str, formula: str,

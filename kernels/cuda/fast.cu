@@ -4,6 +4,7 @@
 // (aq int8 [M, K], ads half2 [M, K/32]) and computes its MMVQ formula.  One 32-value block is one MMA's K,
 // so sumi is the exact integer block dot, scaled in fp32.
 #include "common.cuh"
+#include "groups.cuh"
 
 // ---- mmq ----------------------------------------------------------------------------------------
 // Both operands come tiled so that what one stage of one block needs is a few contiguous pieces:
@@ -53,11 +54,13 @@
 // barriers.  MIN (formats with a minimum, Q4_1/Q5_1: llama.cpp's (d_w d_a) sumi + m_w s_a): each stage
 // also holds the activations' block sums s_a 2^-38 (SA, float [4][64]) and the weights' minima m_w (WM,
 // float [4][128]), one more FFMA an output and block.  launch.py's MMQ_SMEM mirrors BYTES.
-template <bool MIN>
+// H = 2 (the formats with a scale per 16 values, Q2_K / Q3_K / Q6_K): two weight scales a block and row
+// (WD [4][2][128]), and with a minimum two sums (SA [4][2][64]) and two minima (WM [4][2][128]).
+template <bool MIN, int H = 1>
 struct MmqSmem {
     static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
-    static constexpr int SA = WD + MMQ_BKB * MMQ_BN * 4, WM = SA + (MIN ? MMQ_BKB * MMQ_BM * 4 : 0);
-    static constexpr int STAGE = WM + (MIN ? MMQ_BKB * MMQ_BN * 4 : 0);
+    static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + (MIN ? H * MMQ_BKB * MMQ_BM * 4 : 0);
+    static constexpr int STAGE = WM + (MIN ? H * MMQ_BKB * MMQ_BN * 4 : 0);
     static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
 
@@ -98,7 +101,7 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
 #else
 #define MMQ_CAN_BULK false
 #endif
-template <bool BULK, bool MIN = false>
+template <bool BULK, bool MIN = false, int H = 1>
 struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
@@ -115,12 +118,12 @@ struct MmqBlock {
         a = aq + (pm << 13);
         b = wq + (pn << 14);
         dc = dc_ + (pm << 8);
-        wd = wd_ + (pn << 9);
-        sa = MIN ? sa_ + (pm << 8) : nullptr;  // pieces of 4 x 64 and 4 x 128 floats, as dc and wd
-        wm = MIN ? wm_ + (pn << 9) : nullptr;
+        wd = wd_ + (pn << 9) * H;
+        sa = MIN ? sa_ + (pm << 8) * H : nullptr;  // pieces of H x 4 x 64 and H x 4 x 128 floats
+        wm = MIN ? wm_ + (pn << 9) * H : nullptr;
     }
 
-    using S = MmqSmem<MIN>;
+    using S = MmqSmem<MIN, H>;
     static __device__ __forceinline__ unsigned long long* bar(char* smem, int buf) {
         return reinterpret_cast<unsigned long long*>(smem + S::BARS) + buf;
     }
@@ -139,10 +142,10 @@ struct MmqBlock {
             bulk_copy(st + S::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
             bulk_copy(st + S::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
-            bulk_copy(st + S::WD, wd + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
+            bulk_copy(st + S::WD, wd + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
             if constexpr (MIN) {
-                bulk_copy(st + S::SA, sa + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 4, done);
-                bulk_copy(st + S::WM, wm + ((size_t)stage << 9), MMQ_BKB * MMQ_BN * 4, done);
+                bulk_copy(st + S::SA, sa + ((size_t)stage << 8) * H, H * MMQ_BKB * MMQ_BM * 4, done);
+                bulk_copy(st + S::WM, wm + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
             }
 #endif
         } else {  // every thread: its 16-byte chunks
@@ -155,10 +158,14 @@ struct MmqBlock {
             for (int q = 0; q < MMQ_BN / 16; ++q)
                 cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
             cp_async16(st + S::DC, chunk(dc, 8, stage), true);
-            cp_async16(st + S::WD, chunk(wd, 9, stage), true);
-            if constexpr (MIN) {
-                if (tid < MMQ_BKB * MMQ_BM * 4 / 16) cp_async16(st + S::SA, chunk(sa, 8, stage), true);
-                cp_async16(st + S::WM, chunk(wm, 9, stage), true);
+#pragma unroll
+            for (int h = 0; h < H; ++h) {  // pieces of H times the floats: H chunks a thread
+                const int o = h * MMQ_THREADS * 16;
+                cp_async16(st + S::WD + o, chunk(wd, 9, stage * H) + o, true);
+                if constexpr (MIN) {
+                    if (tid < MMQ_BKB * MMQ_BM * 4 / 16) cp_async16(st + S::SA + h * 1024, chunk(sa, 8, stage * H) + h * 1024, true);
+                    cp_async16(st + S::WM + o, chunk(wm, 9, stage * H) + o, true);
+                }
             }
         }
     }
@@ -227,7 +234,16 @@ struct MmqBlock {
 #endif
 constexpr int kMmqUnroll = MMQ_UNROLL;  // #pragma unroll takes a constant expression, not a macro
 
-template <bool MIN>
+// D = A*B + C_BITS for one half of a quant block (k16: a[0..1], b[0] of a k32 fragment are its values 0..15)
+template <int C_BITS>
+__device__ __forceinline__ void mma16_s8_const(int* d, const int* a, int b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b), "r"(C_BITS));
+}
+
+// H = 2: each quant block as two k16 MMAs, each half with its own weight scale (and minimum and sum).
+template <bool MIN, int H = 1>
 __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float* __restrict__ wd,
                                          const i8* __restrict__ aq, const float2* __restrict__ dc,
                                          const float* __restrict__ sa_, const float* __restrict__ wm_,
@@ -236,7 +252,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp >> 1, wn = warp & 1;
-    const MmqBlock<MMQ_CAN_BULK, MIN> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
+    const MmqBlock<MMQ_CAN_BULK, MIN, H> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
     float acc[2][8][4] = {};
     blk.start(smem);
@@ -268,29 +284,36 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                 b[2 * p + 1][1] = v[3];
             }
             float2 da[2][2];
-            float sa[2][2];
+            float sa[2][H][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
-                    if constexpr (MIN) sa[mi][h] = sSA[j * MMQ_BM + mi * 16 + 8 * h];
+#pragma unroll
+                    for (int hh = 0; hh < H; ++hh)
+                        if constexpr (MIN) sa[mi][hh][h] = sSA[(j * H + hh) * MMQ_BM + mi * 16 + 8 * h];
                 }
 #pragma unroll
             for (int ni = 0; ni < 8; ++ni) {
-                const float2 w = *reinterpret_cast<const float2*>(sWD + j * MMQ_BN + ni * 8);
-                float2 mw;
-                if constexpr (MIN) mw = *reinterpret_cast<const float2*>(sWM + j * MMQ_BN + ni * 8);
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    int c[4];
-                    mma_s8_const<MMQ_BIAS>(c, a[mi], b[ni]);
+                for (int hh = 0; hh < H; ++hh) {
+                    const float2 w = *reinterpret_cast<const float2*>(sWD + (j * H + hh) * MMQ_BN + ni * 8);
+                    float2 mw;
+                    if constexpr (MIN) mw = *reinterpret_cast<const float2*>(sWM + (j * H + hh) * MMQ_BN + ni * 8);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float2 d = da[mi][e >> 1];
-                        const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
-                        acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
-                        if constexpr (MIN) acc[mi][ni][e] = fmaf(sa[mi][e >> 1], (e & 1) ? mw.y : mw.x, acc[mi][ni][e]);
+                    for (int mi = 0; mi < 2; ++mi) {
+                        int c[4];
+                        if constexpr (H == 1) mma_s8_const<MMQ_BIAS>(c, a[mi], b[ni]);
+                        else mma16_s8_const<MMQ_BIAS>(c, a[mi] + 2 * hh, b[ni][hh]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float2 d = da[mi][e >> 1];
+                            const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
+                            acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
+                            if constexpr (MIN)
+                                acc[mi][ni][e] = fmaf(sa[mi][hh][e >> 1], (e & 1) ? mw.y : mw.x, acc[mi][ni][e]);
+                        }
                     }
                 }
             }
@@ -319,6 +342,22 @@ mmq_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __res
         int M, int N, int K, int stages_per_split, int atomic) {
     extern __shared__ __align__(128) char smem[];
     mmq_tile<true>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);
+}
+
+// The formats with a scale per 16 values (Q3_K, Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa
+// hold two values a block and row, the halves' (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq16(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
+      float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
+    mmq_tile<false, 2>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem);
+}
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
+mmq16_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
+          const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm, float* __restrict__ Y,
+          int M, int N, int K, int stages_per_split, int atomic) {
+    extern __shared__ __align__(128) char smem[];
+    mmq_tile<true, 2>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);
 }
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
@@ -615,3 +654,70 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
         gemv_rows<T, 8>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                       \
     }
 QGEMM_FOR_FAST_TYPES(FAST)
+
+// ---- gemv for the grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4; groups.cuh) -----------------------
+// llama.cpp's MMVQ formula, M <= MT: a warp per weight row, a lane per 32-value sub-block (lanes of a warp
+// cover 4 whole super-blocks, so the field planes are read in contiguous runs), the sub-block decoded once
+// from its GGUF fields and reused for each activation row:
+//   acc += d_a * (sc_lo * sumi_lo + sc_hi * sumi_hi + cf_lo * Σq_a,lo + cf_hi * Σq_a,hi)
+// (halves of 16 values for the G16 formats; one scale for 32 otherwise).
+template <typename T, int MT>
+__device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                            float* __restrict__ Y, int M, int N, int K) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
+    let_dependents_launch();
+    wait_for_inputs();
+    if (n >= N) return;
+    const int KB = K / QK;
+    float acc[MT] = {};
+    for (int kb = lane; kb < KB; kb += WARP) {
+        const size_t c = (size_t)n * KB + kb;
+        int w[8];
+        float sc[2], cf[2];
+        T::decode(P, c / T::SUBS, int(c % T::SUBS), w, sc, cf);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            if (i < M) {
+                const int4* arow = reinterpret_cast<const int4*>(aq + (size_t)i * K) + (size_t)kb * 2;
+                const int4 a0 = __ldg(arow), a1 = __ldg(arow + 1);
+                const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                int lo = 0, hi = 0;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    lo = __dp4a(w[q], a[q], lo);
+                    hi = __dp4a(w[q + 4], a[q + 4], hi);
+                }
+                float v = T::G16 ? fmaf(sc[0], float(lo), sc[1] * float(hi)) : sc[0] * float(lo + hi);
+                if constexpr (T::MIN) {
+                    int ulo = 0, uhi = 0;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        ulo = __dp4a(0x01010101, a[q], ulo);
+                        uhi = __dp4a(0x01010101, a[q + 4], uhi);
+                    }
+                    v += T::G16 ? fmaf(cf[0], float(ulo), cf[1] * float(uhi)) : cf[0] * float(ulo + uhi);
+                }
+                acc[i] = fmaf(__low2float(ads[(size_t)i * KB + kb]), v, acc[i]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const float sum = warp_sum(acc[i]);
+        if (lane == 0 && i < M) Y[(size_t)i * N + n] = sum;
+    }
+}
+
+#define GEMV_GROUPS(t, T)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        gemv1_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,           \
+                  const __half2* ads, float* Y, int N, int K) {                                                 \
+        gemv_groups<T, 1>({p0, p1, p2, p3, p4}, aq, ads, Y, 1, N, K);                                          \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        gemv_rows_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,       \
+                      const __half2* ads, float* Y, int M, int N, int K) {                                      \
+        gemv_groups<T, 8>({p0, p1, p2, p3, p4}, aq, ads, Y, M, N, K);                                          \
+    }
+QGEMM_FOR_GROUPED_TYPES(GEMV_GROUPS)

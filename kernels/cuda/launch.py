@@ -69,16 +69,17 @@ def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
 
 
 # the MMQ activation layouts: whether d_a is rounded to half; "mmq_ds4s" also holds the block sums s_a
-MMQ_HALF_D = {"mmq_d4": 0, "mmq_ds4": 1, "mmq_ds4s": 1}
+MMQ_HALF_D = {"mmq_d4": 0, "mmq_ds4": 1, "mmq_ds4s": 1, "mmq_d2s6": 1}
 
 
 def activation_layout(spec: KernelSpec, type_name: str) -> str:
     """The layout a kernel's activations are quantized into for weights of this type: its own, and for the
     MMQ kernels the format's scale layout as well ("mmq_d4": d_a in float; "mmq_ds4": d_a a half; with a
-    minimum, "mmq_ds4s": and the sums its m_w s_a term reads)."""
+    minimum, "mmq_ds4s": and the sums its m_w s_a term reads; Q2_K: "mmq_d2s6")."""
     if spec.activation_layout == "mmq":
         fmt = format_of(type_name)
-        return "mmq_" + mmq_ds_layout(type_name).lower() + ("s" if fmt is not None and fmt.has_min else "")
+        sums = fmt is not None and (fmt.has_min or fmt.group_min) and mmq_ds_layout(type_name) == "DS4"
+        return "mmq_" + mmq_ds_layout(type_name).lower() + ("s" if sums else "")
     return spec.activation_layout
 
 
@@ -92,6 +93,8 @@ def q8_1_buffers(layout: str, m: int, k: int) -> Any:
                 "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
         if layout.endswith("s"):
             bufs["sa"] = cupy.empty(pieces * MMQ_BKB * MMQ_BM, dtype=cupy.float32)
+        elif layout == "mmq_d2s6":  # two sums a block
+            bufs["sa"] = cupy.empty(2 * pieces * MMQ_BKB * MMQ_BM, dtype=cupy.float32)
         return bufs
     return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
 
@@ -121,6 +124,11 @@ def quantize_mmq_kernel(sm_count: int, m: int, k: int, sums: bool = False) -> st
 def quantize_into(mods: Any, layout: str, x: cupy.ndarray, acts: Any) -> None:
     if layout == "split":
         quantize_q8_1_split(mods, x, acts["qs"], acts["ds"])
+    elif layout == "mmq_d2s6":  # a warp a (row, stage of 128 values)
+        m, k = x.shape
+        sb = mmq_tiles(m, k, MMQ_BM)[1]
+        args = (x, acts["qs"], acts["dc"], acts["sa"], I32(m), I32(k), I32(sb))
+        mods.function("q8_1.cu", "quantize_q8_1_mmq_d2s6")((cdiv(m * (k // 128), 8),), (256,), args)
     elif layout in MMQ_HALF_D:
         m, k = x.shape
         sb = mmq_tiles(m, k, MMQ_BM)[1]
@@ -146,10 +154,15 @@ def q8_1_to_host(acts: Any, m: int, k: int, layout: str = "") -> Any:
 
         qs = cupy.asnumpy(acts["qs"]).reshape(mt, sb, MMQ_BM // 8, 8, 8, 16).transpose(0, 2, 4, 1, 3, 5)
         d = untile(acts["dc"], 2)[..., 0] * np.float32(2.0 ** -111)  # exact
+        q = np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k])
+        if layout == "mmq_d2s6":  # d per 64 values; sums per 16, those of halves 6 and 7 (d Σq there) as 0
+            t = cupy.asnumpy(acts["sa"]).reshape(mt, sb, MMQ_BKB * 2, MMQ_BM).transpose(0, 3, 1, 2)
+            s16 = (t.reshape(-1, sb * 8)[:m, :kb * 2] * np.float32(2.0 ** 38)).reshape(m, -1, 8)
+            s16[..., 6:] = 0
+            return Q8_1(q, d[:, ::2].astype(np.float16), s16.reshape(m, -1).astype(np.float16))
         s = (untile(acts["sa"]) * np.float32(2.0 ** 38)).astype(np.float16) if "sa" in acts else \
             np.zeros((m, kb), dtype=np.float16)  # no sums: the signed formats' formula reads none
-        return Q8_1(np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k]),
-                    d.astype(np.float16) if MMQ_HALF_D.get(layout) else np.ascontiguousarray(d), s)
+        return Q8_1(q, d.astype(np.float16) if MMQ_HALF_D.get(layout) else np.ascontiguousarray(d), s)
     if isinstance(acts, dict):
         ds = cupy.asnumpy(acts["ds"])
         return Q8_1(cupy.asnumpy(acts["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
@@ -161,6 +174,9 @@ MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * 
 MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and their mbarriers
 MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * (MMQ_BM + MMQ_BN) * 4 + 8)  # MmqSmem<true>: with SA and WM
 MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 2 KiB tile of -128s
+# MmqSmem<MIN, 2> (mmq16, mmq16_min): two weight scales a block, and two minima and sums
+MMQ16_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 8)
+MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 2 * MMQ_BKB * (MMQ_BM + MMQ_BN) * 4 + 8)
 
 
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
@@ -183,13 +199,19 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
     if splits > 1:
         y.fill(0)
     grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
-    # one kernel for every signed weight type (its layouts carry the format); formats with a minimum: mmq_min
+    # one kernel for every signed weight type (its layouts carry the format); formats with a minimum: mmq_min;
+    # a scale per 16 values: mmq16 (mmq16_min)
     minimum = "wm" in w
+    fmt = format_of(t.upper())
+    if fmt is not None and fmt.group_values == 16:
+        assert base == "mmq", "mmq_wgmma takes one scale per 32 values only"
+        base = "mmq16"
     if minimum:
-        assert base == "mmq", "mmq_wgmma takes the signed formats only"
-        base = "mmq_min"
+        assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
+        base += "_min"
     fn = mods.function("fast.cu", base)
     threads, smem = {"mmq": (MMQ_THREADS, MMQ_SMEM), "mmq_min": (MMQ_THREADS, MMQ_SMEM_MIN),
+                     "mmq16": (MMQ_THREADS, MMQ16_SMEM), "mmq16_min": (MMQ_THREADS, MMQ16_SMEM_MIN),
                      "mmq_wgmma": (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)}[base]
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
@@ -199,6 +221,15 @@ def _mmq(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k
 
 
 def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    if "p0" in w:  # a grouped format's field planes: gemv_groups (fast.cu), one kernel a row count
+        planes = tuple(w.get(f"p{i}", w["p0"]) for i in range(5))  # unused planes: any pointer, never read
+        if m == 1:
+            pdl.launch(mods.function("fast.cu", f"gemv1_{t}"), (cdiv(n, 8),), (256,),
+                       (*planes, a["qs"], a["ds"], y, I32(n), I32(k)), mods.dependent_launch)
+        else:
+            mods.function("fast.cu", f"gemv_rows_{t}")((cdiv(n, 8),), (256,),
+                                                       (*planes, a["qs"], a["ds"], y, I32(m), I32(n), I32(k)))
+        return
     planes = (w["qs"], w["d"], w.get("qh", w["qs"]))  # formats without fifth bits: any pointer, never read
     if m == 1:  # a warp per weight row, dp4a; it may start during the quantize kernel (pdl.py)
         pdl.launch(mods.function("fast.cu", f"gemv1_{t}"), (cdiv(n, 8),), (256,),
@@ -209,6 +240,9 @@ def _gemv(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, 
 
 
 def _gemv_rows(mods: Any, t: str, w: dict, a: dict, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    if "p0" in w:  # grouped formats: gemv_groups reuses each decoded sub-block for every row already
+        _gemv(mods, t, w, a, y, m, n, k)
+        return
     mods.function("fast.cu", f"gemv_rows_{t}")((cdiv(n, 8),), (256,),
                                                (w["qs"], w["d"], w.get("qh", w["qs"]), a["qs"], a["ds"], y,
                                                 I32(m), I32(n), I32(k)))
@@ -271,11 +305,12 @@ def suffix(type_name: str) -> str:
 def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     fmt = format_of(type_name)
     assert fmt is not None
-    kb = k // QK
-    return {"gguf": n * kb * fmt.block_bytes,
-            "split": n * kb * fmt.block_bytes,  # quants, scales, fifth bits: the same bytes, regrouped
+    h = 2 if fmt.group_values == 16 else 1  # weight scales a block (and minima)
+    per_block = QK + 4 * h * (2 if fmt.has_min or fmt.group_min else 1)
+    return {"gguf": n * fmt.row_bytes(k),
+            "split": n * fmt.row_bytes(k),  # the same bytes, regrouped (legacy) or as field planes (grouped)
             "f16": n * k * 2, "bf16": n * k * 2, "f32": n * k * 4,
-            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * (QK + (8 if fmt.has_min else 4))}[layout]
+            "mmq": math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * per_block}[layout]
 
 
 FLOAT_LAYOUTS = ("f16", "bf16", "f32")
@@ -299,6 +334,10 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
     fmt = format_of(type_name)
     assert fmt is not None
     kb = k // QK
+    if layout == "split" and fmt.grouped:  # each block field its own plane (groups.cuh decodes them)
+        from kernels.groups import field_planes
+
+        return {f"p{i}": cupy.asarray(p) for i, p in enumerate(field_planes(type_name, raw))}
     if layout == "split":  # regrouped on the host: quants, scales (d or (d, m)) and fifth bits apart
         from kernels.reference import block_fields
 
@@ -319,18 +358,27 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
         del w
         return {"w": out}
     if layout == "mmq":  # tiled as fast.cu's mmq copies it, made on the host once
-        from kernels.reference import unpack_blocks
-
-        q, d, mins = unpack_blocks(type_name, raw)
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
-        qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8; Q4_1: q)
+        if fmt.grouped:  # the integers and group scales of llama.cpp's MMQ tiles (groups.py)
+            from kernels.groups import decode
 
-        def scale_tiles(v: np.ndarray) -> np.ndarray:  # per block and row, [tile][stage][block][row]
-            full = np.zeros((rows, kbp), dtype=np.float32)
-            full[:n, :kb] = v.astype(np.float32)
-            return np.ascontiguousarray(full.reshape(nt, MMQ_BN, sb, MMQ_BKB).transpose(0, 2, 3, 1)).reshape(-1)
+            gw = decode(type_name, raw)
+            qp[:n, :k] = gw.q
+            d, mins, h = gw.mmq_scale, gw.mmq_min, QK // gw.group
+        else:
+            from kernels.reference import unpack_blocks
+
+            q, d, mins = unpack_blocks(type_name, raw)
+            qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8; Q4_1: q)
+            h = 1
+
+        def scale_tiles(v: np.ndarray) -> np.ndarray:  # per block, half and row: [tile][stage][block][half][row]
+            full = np.zeros((rows, kbp * h), dtype=np.float32)
+            full[:n, :kb * h] = v.astype(np.float32)
+            t = full.reshape(nt, MMQ_BN, sb, MMQ_BKB * h).transpose(0, 2, 3, 1)
+            return np.ascontiguousarray(t).reshape(-1)
 
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)

@@ -1,11 +1,12 @@
 """Compile the .cu sources once per process for the device's architecture.
 
-The shared header is inlined into each source before compiling, so that CuPy's on-disk kernel
+The shared headers are inlined into each source before compiling, so that CuPy's on-disk kernel
 cache (keyed on the source text) never serves a kernel built against an older header.
 """
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +24,19 @@ IEEE_SOURCES = ("q8_1.cu",)
 
 
 def source(name: str) -> str:
-    header = (HERE / "common.cuh").read_text()
-    return (HERE / name).read_text().replace('#include "common.cuh"', header)
+    """The source with its headers (common.cuh, groups.cuh) inlined, each once."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def header(m: re.Match[str]) -> str:
+            if m.group(1) in seen:
+                return ""
+            seen.add(m.group(1))
+            return expand((HERE / m.group(1)).read_text())
+
+        return re.sub(r'#include "([\w.]+\.cuh)"', header, text)
+
+    return expand((HERE / name).read_text())
 
 
 def arch_option(cc: int) -> str:

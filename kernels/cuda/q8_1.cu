@@ -238,3 +238,41 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
                                                                               : make_int4(w0, r0, w1, r1);
     if (h == 0) store_mmq_scales(dc, nullptr, piece, mr, kb, KB, SB, d, 0.0f, half_d);
 }
+
+// Q2_K's MMQ activations, llama.cpp's D2S6 layout (quantize_mmq_q8_1<D2S6>): one scale per 64 values (amax over
+// 16 lanes), rounded to half; a half sum per 16 values (four a lane in order, then a butterfly over 4 lanes)
+// for the first 96 values of every 128.  Written into the mmq layout with two sums a block (sa [M/64][SB][4
+// blocks][2 halves][64 rows], times 2^-38): halves 6 and 7 of a stage get d * Σq instead (exact: an 11-bit d
+// times an 11-bit sum), the term llama.cpp's vec_dot_q2_K_q8_1_mma forms from their integer sums there.
+// A warp a (row, stage of 128 values), 4 values a lane; K is a multiple of 256, so stages are whole.
+extern "C" __global__ void quantize_q8_1_mmq_d2s6(const float* __restrict__ x, i8* __restrict__ qs,
+                                                  float2* __restrict__ dc, float* __restrict__ sa, int M, int K,
+                                                  int SB) {
+    const int lane = threadIdx.x % WARP;
+    const unsigned warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, stages = K / 128;
+    const int m = int(warp / stages), st = int(warp % stages);
+    if (m >= M) return;  // whole warps only: the shuffles below see every lane
+    const float4 v = *reinterpret_cast<const float4*>(x + (size_t)m * K + st * 128 + lane * 4);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    float sum = ((v.x + v.y) + v.z) + v.w;
+#pragma unroll
+    for (int off = 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float xs[4] = {v.x, v.y, v.z, v.w};
+    int q[4];
+    const float d = __half2float(__float2half(mmq_quants<4>(xs, amax, q)));
+    int qsum = q[0] + q[1] + q[2] + q[3];
+#pragma unroll
+    for (int off = 2; off > 0; off >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, off);
+    const int mr = m & 63, kk = lane * 4;
+    const size_t piece = (size_t)(m >> 6) * SB + st;
+    const int within = (((mr >> 3) * 8 + (kk >> 4)) << 7) + ((mr & 7) << 4) + (kk & 15);
+    *reinterpret_cast<int*>(qs + (piece << 13) + within) = pack4(q);
+    const int blk = lane >> 3, half = (lane >> 2) & 1;  // block of the stage, half of the block
+    if ((lane & 7) == 0) dc[(piece << 8) + (blk << 6) + mr] = make_float2(d * 0x1p111f, d * -0x1p-19f);
+    if ((lane & 3) == 0) {
+        const float s = lane < 24 ? __half2float(__float2half(sum)) : d * float(qsum);
+        sa[(piece << 9) + (((blk << 1) + half) << 6) + mr] = s * 0x1p-38f;
+    }
+}

@@ -1,0 +1,180 @@
+// The grouped formats' per-format part (K-quants, IQ4_NL / IQ4_XS, MXFP4; kernels/groups.py is their numpy
+// twin): each decodes one 32-value sub-block of its GGUF blocks, read from field planes made at upload
+// (launch.py: every field of the block array as its own contiguous array, so each is naturally aligned and
+// nothing is read twice).  decode(P, s, j, w, sc, cf): super-block (or block) s, sub-block j of SUBS:
+//   w[8]   the 32 values as int8 words, value 4i + b in byte b of w[i] (they pair with Q8_1 words in order);
+//   sc[2]  MMVQ's weight scale of values 0..15 and 16..31 (G16) or of all 32 (sc[0]);
+//   cf[2]  (MIN) the factor of d_a * Σq_a over the same values: -dmin * m.
+// All are exact products of the block's fields, as llama.cpp's vec_dot_*_q8_1 forms them.
+#pragma once
+#include "common.cuh"
+
+struct GPlanes { const u8 *p0, *p1, *p2, *p3, *p4; };
+
+__device__ __forceinline__ void load32(const u8* p, int* r) {  // 32 bytes, 16-byte aligned
+    const int4 a = __ldg(reinterpret_cast<const int4*>(p)), b = __ldg(reinterpret_cast<const int4*>(p) + 1);
+    r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w; r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+}
+__device__ __forceinline__ float ldg_half(const u8* p) { return __half2float(__ldg(reinterpret_cast<const __half*>(p))); }
+
+// 4 codes (the low nibbles of c's bytes) through a 16-entry int8 table packed in 4 words: PRMT picks among
+// entries 0..7 and 8..15 by the codes' low 3 bits, then between the two by bit 3.
+__device__ __forceinline__ int lookup16(unsigned c, unsigned t0, unsigned t1, unsigned t2, unsigned t3) {
+    const unsigned sel = (c & 0xFu) | ((c >> 4) & 0xF0u) | ((c >> 8) & 0xF00u) | ((c >> 12) & 0xF000u);
+    const unsigned lo = __byte_perm(t0, t1, sel & 0x7777u), hi = __byte_perm(t2, t3, sel & 0x7777u);
+    return int(__byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1)));
+}
+// 16 bytes of nibbles (byte l: value l low, value l + 16 high) through a code book
+template <unsigned T0, unsigned T1, unsigned T2, unsigned T3>
+__device__ __forceinline__ void nibble_table_words(const u8* qs, int* w) {
+    const int4 v = __ldg(reinterpret_cast<const int4*>(qs));
+    const int p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = lookup16(unsigned(p[i]) & 0x0F0F0F0Fu, T0, T1, T2, T3);
+        w[i + 4] = lookup16((unsigned(p[i]) >> 4) & 0x0F0F0F0Fu, T0, T1, T2, T3);
+    }
+}
+// kvalues_iq4nl {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} and kvalues_mxfp4
+// (E2M1 times 2) {0, 1, 2, 3, 4, 6, 8, 12, -0, -1, -2, -3, -4, -6, -8, -12}, 4 bytes a word
+#define IQ4NL_TABLE 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
+#define MXFP4_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4) from the 12 scale bytes q
+__device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = __ldg(q + j) & 63;
+        m = __ldg(q + j + 4) & 63;
+    } else {
+        const int b = __ldg(q + j + 4);
+        sc = (b & 0xF) | ((__ldg(q + j - 4) >> 6) << 4);
+        m = (b >> 4) | ((__ldg(q + j) >> 6) << 4);
+    }
+}
+
+// Planes: p0 qs [128], p1 scales [12], p2 d, p3 dmin (halves); Q5_K also p4 qh [32]
+template <bool FIFTH>
+struct QK_45 {
+    static constexpr int SUBS = 8;
+    static constexpr bool G16 = false, MIN = true;
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        int r[8];
+        load32(P.p0 + s * 128 + (j >> 1) * 32, r);  // sub-blocks 2p and 2p + 1: the low and high nibbles
+        const int sh = 4 * (j & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = (r[i] >> sh) & 0x0F0F0F0F;
+        if constexpr (FIFTH) {  // bit j of qh[l] is value l's fifth bit
+            int h[8];
+            load32(P.p4 + s * 32, h);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[i] |= ((h[i] >> j) & 0x01010101) << 4;
+        }
+        int scv, mv;
+        scale_min_k4(P.p1 + s * 12, j, scv, mv);
+        sc[0] = ldg_half(P.p2 + 2 * s) * float(scv);
+        cf[0] = -(ldg_half(P.p3 + 2 * s) * float(mv));
+    }
+};
+using Q4_K = QK_45<false>;
+using Q5_K = QK_45<true>;
+
+// Planes: p0 qs [64], p1 scales [16] (4-bit scale, 4-bit min per 16 values), p2 d, p3 dmin
+struct Q2_K {
+    static constexpr int SUBS = 8;
+    static constexpr bool G16 = true, MIN = true;
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        int r[8];
+        load32(P.p0 + s * 64 + (j >> 2) * 32, r);  // values 128n + 32jj + l: bits 2jj of byte 32n + l
+        const int sh = 2 * (j & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = (r[i] >> sh) & 0x03030303;
+        const float d = ldg_half(P.p2 + 2 * s), dmin = ldg_half(P.p3 + 2 * s);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int b = __ldg(P.p1 + s * 16 + 2 * j + h);
+            sc[h] = d * float(b & 0xF);
+            cf[h] = -(dmin * float(b >> 4));
+        }
+    }
+};
+
+// Planes: p0 qs [64] (low 2 bits), p1 hmask [32] (bit 4n + jj of byte l), p2 scales [12] (6-bit), p3 d
+struct Q3_K {
+    static constexpr int SUBS = 8;
+    static constexpr bool G16 = true, MIN = false;
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        int r[8], h[8];
+        load32(P.p0 + s * 64 + (j >> 2) * 32, r);
+        load32(P.p1 + s * 32, h);
+        const int sh = 2 * (j & 3), hs = j;  // 4n + jj == j
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            w[i] = __vsubss4(((r[i] >> sh) & 0x03030303) | (((h[i] >> hs) & 0x01010101) << 2), 0x04040404);
+        const float d = ldg_half(P.p3 + 2 * s);
+        const u8* q = P.p2 + s * 12;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int i = 2 * j + hh;
+            const int v = ((__ldg(q + (i & 7)) >> (4 * (i >> 3))) & 0xF) | (((__ldg(q + 8 + (i & 3)) >> (2 * (i >> 2))) & 3) << 4);
+            sc[hh] = d * float(v - 32);
+        }
+    }
+};
+
+// Planes: p0 ql [128], p1 qh [64], p2 scales [16] int8, p3 d
+struct Q6_K {
+    static constexpr int SUBS = 8;
+    static constexpr bool G16 = true, MIN = false;
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        const int n = j >> 2, quarter = j & 3;  // values 128n + 32 quarter + l
+        int r[8], h[8];
+        load32(P.p0 + s * 128 + 64 * n + 32 * (quarter & 1), r);
+        load32(P.p1 + s * 64 + 32 * n, h);
+        const int nsh = 4 * (quarter >> 1), hsh = 2 * quarter;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            w[i] = __vsubss4(((r[i] >> nsh) & 0x0F0F0F0F) | (((h[i] >> hsh) & 0x03030303) << 4), 0x20202020);
+        const float d = ldg_half(P.p3 + 2 * s);
+        sc[0] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j)));
+        sc[1] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j + 1)));
+    }
+};
+
+// Planes: p0 qs [16], p1 d
+struct IQ4_NL {
+    static constexpr int SUBS = 1;
+    static constexpr bool G16 = false, MIN = false;
+    __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
+        nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 16, w);
+        sc[0] = ldg_half(P.p1 + 2 * s);
+    }
+};
+
+// Planes: p0 qs [128] (sub-block j: bytes 16j..16j+15), p1 scales_l [4], p2 scales_h (uint16), p3 d
+struct IQ4_XS {
+    static constexpr int SUBS = 8;
+    static constexpr bool G16 = false, MIN = false;
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float*) {
+        nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 128 + 16 * j, w);
+        const int hi = __ldg(reinterpret_cast<const unsigned short*>(P.p2) + s);
+        const int ls = ((__ldg(P.p1 + s * 4 + (j >> 1)) >> (4 * (j & 1))) & 0xF) | (((hi >> (2 * j)) & 3) << 4);
+        sc[0] = ldg_half(P.p3 + 2 * s) * float(ls - 32);
+    }
+};
+
+// E8M0 as llama.cpp's ggml_cuda_e8m0_to_fp32: 2^(e - 127), e = 0 the subnormal 2^-127
+__device__ __forceinline__ float e8m0_to_float(unsigned e) { return __uint_as_float(e ? e << 23 : 0x00400000u); }
+
+// Planes: p0 qs [16], p1 e
+struct MXFP4 {
+    static constexpr int SUBS = 1;
+    static constexpr bool G16 = false, MIN = false;
+    __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
+        nibble_table_words<MXFP4_TABLE>(P.p0 + s * 16, w);
+        sc[0] = e8m0_to_float(__ldg(P.p1 + s)) * 0.5f;
+    }
+};
+
+#define QGEMM_FOR_GROUPED_TYPES(MACRO)                                                                          \
+    MACRO(q2_k, Q2_K) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)                \
+    MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)

@@ -1,0 +1,209 @@
+"""The grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4): their blocks decoded to the integers and group scales
+llama.cpp's CUDA dot products multiply, and valid random blocks of each (gguf cannot quantize most of them).
+
+Every one of these formats is, to llama.cpp's dot products with Q8_1, integer values q with a scale per group
+of 16 or 32 values and, for Q2_K / Q4_K / Q5_K, a minimum per group.  The two formulas take them differently
+(docs/formats.md says which of llama.cpp's functions each mirrors):
+
+* MMVQ (`vecdotq.cuh`, M <= 8): y = Σ_groups d_a * (scale * sumi + coef * Σq_a), all in float; scale and coef
+  are exact products of the block's fields (d*sc, -dmin*m, 2^(e-127)/2...), Σq_a the group's integer sum of
+  activation quants (`dp4a(0x01010101, u)`), not the block's float sum s_a.
+* MMQ (`mmq.cuh`, `mmq-load-tiles.cuh`, M > 8): y = Σ_groups d_a * mmq_scale * sumi + mmq_min * S, where
+  Q4_K / Q5_K round (d*sc, -dmin*m) to half (`dm * make_half2(sc, m)`) and S is the block's half sum s_a
+  (layout DS4); Q2_K rounds (d*sc, dmin*m) to half and reads its D2S6 activations (`quantize_q8_1_d2s6`);
+  Q3_K / Q6_K / IQ4 / MXFP4 have no min and keep their scales in float (layout D4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from kernels.formats import FORMATS
+
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # E2M1 values times 2
+
+# each format's block as llama.cpp's block_<type> (ggml-common.h), field by field
+BLOCK_DTYPES: dict[str, np.dtype] = {
+    "Q2_K": np.dtype([("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")]),
+    "Q3_K": np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")]),
+    "Q4_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
+    "Q5_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)]),
+    "Q6_K": np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
+    "IQ4_NL": np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
+    "IQ4_XS": np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)]),
+    "MXFP4": np.dtype([("e", "u1"), ("qs", "u1", 16)]),
+}
+# the order groups.cuh's decoders take each format's field planes in (p0, p1, ...)
+DEVICE_PLANES: dict[str, tuple[str, ...]] = {
+    "Q2_K": ("qs", "scales", "d", "dmin"), "Q3_K": ("qs", "hmask", "scales", "d"),
+    "Q4_K": ("qs", "scales", "d", "dmin"), "Q5_K": ("qs", "scales", "d", "dmin", "qh"),
+    "Q6_K": ("ql", "qh", "scales", "d"), "IQ4_NL": ("qs", "d"), "IQ4_XS": ("qs", "scales_l", "scales_h", "d"),
+    "MXFP4": ("qs", "e"),
+}
+for _t, _dt in BLOCK_DTYPES.items():
+    assert sorted(DEVICE_PLANES[_t]) == sorted(_dt.names), _t
+    assert _dt.itemsize == FORMATS[GGMLQuantizationType[_t]].block_bytes, _t
+
+
+@dataclass(frozen=True)
+class GroupWeights:
+    """A matrix of a grouped format as the two formulas read it (float64 arrays are exact values).
+
+    q int8 [N, K]: the integers of the dot products (unsigned 0..3 / 0..15 / 0..31 for the formats with a min,
+    signed otherwise); scale, coef [N, K/group]: MMVQ's per-group scale and the factor of d_a*Σq_a (None: no
+    min); mmq_scale, mmq_min: MMQ's (mmq_min multiplies the activations' group sum S)."""
+
+    type_name: str
+    q: np.ndarray
+    group: int
+    scale: np.ndarray
+    coef: np.ndarray | None
+    mmq_scale: np.ndarray
+    mmq_min: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.coef, self.mmq_scale, self.mmq_min) if a is not None)
+
+
+def blocks_of(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """Raw GGUF rows (uint8 [N, row_bytes]) as structured blocks [N, K/values]."""
+    raw = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8))
+    return raw.reshape(raw.shape[0], -1).view(BLOCK_DTYPES[type_name])
+
+
+def _half(v: np.ndarray) -> np.ndarray:
+    """A product rounded to half, as `__hmul2` does, back in float64."""
+    with np.errstate(over="ignore"):
+        return np.asarray(v, np.float64).astype(np.float16).astype(np.float64)
+
+
+def _f64(h: np.ndarray) -> np.ndarray:
+    return np.asarray(h, np.float64)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes to 32 values: byte j's low nibble is value j, its high nibble value j + 16."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes to 8 six-bit scales and 8 mins (get_scale_min_k4)."""
+    s = scales.astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes to 16 six-bit scales minus 32: low 4 bits from bytes i%8 (nibble i/8), high 2 from 8 + i%4."""
+    s = scales.astype(np.int32)
+    i = np.arange(16)
+    low = (s[..., i % 8] >> (4 * (i // 8))) & 0xF
+    high = (s[..., 8 + i % 4] >> (2 * (i // 4))) & 3
+    return (low | (high << 4)) - 32
+
+
+def decode(type_name: str, raw: np.ndarray) -> GroupWeights:
+    b = blocks_of(type_name, raw)
+    n = b.shape[0]
+    t = type_name
+    coef = mmq_min = None
+    if t == "Q2_K":
+        shift = 2 * np.arange(4).reshape(1, 4, 1)
+        q = (b["qs"].reshape(*b.shape, 2, 1, 32) >> shift) & 3  # [.., half n, shift j, l]: value 128n + 32j + l
+        sc, mn = b["scales"] & 0xF, b["scales"] >> 4  # per 16 values, in value order
+        d, dmin = _f64(b["d"])[..., None], _f64(b["dmin"])[..., None]
+        scale, coef = d * sc, -(dmin * mn)
+        mmq_scale, mmq_min = _half(d * sc), -_half(dmin * mn)
+    elif t == "Q3_K":
+        j = np.arange(4).reshape(1, 4, 1)
+        low = (b["qs"].reshape(*b.shape, 2, 1, 32) >> (2 * j)) & 3
+        high = (b["hmask"].reshape(*b.shape, 1, 1, 32) >> (4 * np.arange(2).reshape(2, 1, 1) + j)) & 1
+        q = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
+        scale = mmq_scale = _f64(b["d"])[..., None] * _q3_k_scales(b["scales"])
+    elif t in ("Q4_K", "Q5_K"):
+        q = (b["qs"].reshape(*b.shape, 4, 1, 32) >> (4 * np.arange(2).reshape(1, 2, 1))) & 0xF  # sub-block 2p + hi
+        if t == "Q5_K":
+            q = q | (((b["qh"].reshape(*b.shape, 1, 1, 32) >> np.arange(8).reshape(4, 2, 1)) & 1) << 4)
+        sc, mn = _scale_min_k4(b["scales"])
+        d, dmin = _f64(b["d"])[..., None], _f64(b["dmin"])[..., None]
+        scale, coef = d * sc, -(dmin * mn)
+        mmq_scale, mmq_min = _half(d * sc), _half(-(dmin * mn))
+    elif t == "Q6_K":
+        ql = b["ql"].reshape(*b.shape, 2, 1, 2, 32)  # [.., n, nibble, half of ql_n, l]
+        qh = b["qh"].reshape(*b.shape, 2, 1, 1, 32)
+        quarter = np.arange(4).reshape(2, 2, 1)  # value 128n + 32*quarter + l: quarter = 2*nibble + half
+        low = (ql >> (4 * np.arange(2).reshape(2, 1, 1))) & 0xF
+        q = (low | (((qh >> (2 * quarter)) & 3) << 4)).astype(np.int16) - 32
+        scale = mmq_scale = _f64(b["d"])[..., None] * b["scales"].astype(np.float64)
+    elif t == "IQ4_NL":
+        q = KVALUES_IQ4NL[_nibbles(b["qs"])]
+        scale = mmq_scale = _f64(b["d"])[..., None]
+    elif t == "IQ4_XS":
+        q = KVALUES_IQ4NL[_nibbles(b["qs"].reshape(*b.shape, 8, 16))]
+        ib = np.arange(8)
+        ls = ((b["scales_l"][..., ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF) | \
+            (((b["scales_h"][..., None].astype(np.int32) >> (2 * ib)) & 3) << 4)
+        scale = mmq_scale = _f64(b["d"])[..., None] * (ls - 32)
+    elif t == "MXFP4":
+        q = KVALUES_MXFP4[_nibbles(b["qs"])]
+        scale = mmq_scale = np.ldexp(0.5, b["e"].astype(np.int32) - 127)[..., None]  # e8m0 * 0.5 (e = 0: 2^-127)
+    else:
+        raise ValueError(f"{type_name} is not a grouped format")
+    group = FORMATS[GGMLQuantizationType[t]].group_values
+
+    def flat(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(np.asarray(a, np.float64).reshape(n, -1))
+
+    return GroupWeights(t, np.ascontiguousarray(np.asarray(q).astype(np.int8).reshape(n, -1)), group,
+                        flat(scale), flat(coef), flat(mmq_scale), flat(mmq_min))  # type: ignore[arg-type]
+
+
+def dequantize(w: GroupWeights) -> np.ndarray:
+    """float64 [N, K] from the decoded fields: scale*q + coef (what gguf's dequantize computes, in float64)."""
+    n, k = w.q.shape
+    v = w.q.reshape(n, -1, w.group).astype(np.float64) * w.scale[..., None]
+    if w.coef is not None:
+        v += w.coef[..., None]
+    return v.reshape(n, k)
+
+
+# ---- valid random blocks ------------------------------------------------------------------------
+def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
+    """GGUF rows (uint8 [N, row_bytes]) of random blocks: every quant and sub-scale byte uniform (so every code
+    occurs), the float fields finite and chosen so that values are about `scale` in size."""
+    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    nb = k // fmt.block_values
+    b = np.frombuffer(rng.integers(0, 256, n * nb * fmt.block_bytes, dtype=np.uint8).tobytes(),
+                      BLOCK_DTYPES[type_name]).reshape(n, nb).copy()
+
+    def halves(typical: float) -> np.ndarray:
+        return (rng.uniform(0.5, 1.5, (n, nb)) * typical * rng.choice([-1.0, 1.0], (n, nb))).astype(np.float16)
+
+    if type_name in ("Q2_K", "Q4_K", "Q5_K"):  # d*sc*q reaches ~15 * 63 * 15 (Q4_K) units of d
+        top = {"Q2_K": 15 * 3, "Q4_K": 63 * 15, "Q5_K": 63 * 31}[type_name]
+        b["d"] = np.abs(halves(2 * scale / top))
+        b["dmin"] = np.abs(halves(scale / (15 if type_name == "Q2_K" else 63)))
+    elif type_name == "Q3_K":
+        b["d"] = halves(scale / (32 * 4))
+    elif type_name == "Q6_K":
+        b["d"] = halves(scale / (128 * 32))
+    elif type_name == "IQ4_NL":
+        b["d"] = halves(scale / 127)
+    elif type_name == "IQ4_XS":
+        b["d"] = halves(scale / (32 * 127))
+    elif type_name == "MXFP4":  # 2^(e-127) * 6 about `scale`: e within a few octaves of it
+        centre = 127 + int(np.round(np.log2(scale / 6)))
+        b["e"] = rng.integers(centre - 3, centre + 4, (n, nb)).astype(np.uint8)
+    return np.ascontiguousarray(b).view(np.uint8).reshape(n, nb * fmt.block_bytes)
+
+
+def field_planes(type_name: str, raw: np.ndarray) -> list[np.ndarray]:
+    """The blocks' fields, each as one contiguous byte array, in DEVICE_PLANES order (the gemv layout)."""
+    b = blocks_of(type_name, raw).reshape(-1)
+    return [np.ascontiguousarray(b[f]).view(np.uint8).reshape(-1) for f in DEVICE_PLANES[type_name]]

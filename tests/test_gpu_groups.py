@@ -1,0 +1,77 @@
+"""The grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4) on the GPU (`pytest -m gpu`): every kernel that takes
+them against the numpy reference fed the Q8_1 blocks the device produced, on odd shapes (N odd, M from 1 to 300,
+K a multiple of 256 that is not a power of two), blocks at their extremes, and Q2_K's D2S6 quantizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import groups
+from kernels import reference as ref
+from kernels.formats import GROUPED_TYPES
+from kernels.registry import KERNELS
+from tests.test_gpu import backend, check_kernel  # noqa: F401  (the module's backend fixture)
+
+pytestmark = pytest.mark.gpu
+
+KERNELS_OF_GROUPS = [name for name, s in KERNELS.items() if s.backend == "cuda" and s.quantizes
+                     and "Q4_K" in s.weight_types or name == "mmq_wgmma"]
+SHAPES = [(1, 257, 768), (2, 33, 4352), (5, 1, 256), (8, 257, 4352), (9, 257, 768), (17, 33, 4352),
+          (130, 257, 768), (300, 257, 4352), (64, 256, 1280)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS_OF_GROUPS)
+@pytest.mark.parametrize("type_name", GROUPED_TYPES)
+def test_grouped_kernel_matches_reference(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:  # noqa: F811
+    spec = KERNELS[kernel]
+    ran = 0
+    for m, n, k in SHAPES:
+        if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+            continue
+        raw = groups.random_blocks(type_name, n, k, rng, rng.uniform(0.005, 0.05))
+        x = rng.standard_normal((m, k)) * rng.uniform(0.1, 10)
+        check_kernel(backend, spec, type_name, raw, x, key=f"groups {kernel} {m}")
+        ran += 1
+    if not ran:
+        pytest.skip(f"{kernel} takes no {type_name} shape here")
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "mmq"])
+@pytest.mark.parametrize("type_name", GROUPED_TYPES)
+def test_grouped_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:  # noqa: F811
+    """Every quant and sub-scale byte of a block at 0x00 or 0xFF (the lowest and highest codes, the largest
+    sub-scales and minima), against activation blocks of one value (every q_a = +-127)."""
+    spec = KERNELS[kernel]
+    m, n, k = (65 if kernel == "mmq" else 5), 130, 512
+    raw = groups.random_blocks(type_name, n, k, rng)
+    b = groups.blocks_of(type_name, raw)
+    for field in b.dtype.names:
+        if b.dtype[field].kind in "ui" and b.dtype[field].shape:  # quant and sub-scale bytes, not d / e
+            v = b[field].view(np.uint8)
+            pick = rng.integers(0, 3, v.shape[:2])
+            v[pick == 1] = 0x00
+            v[pick == 2] = 0xFF
+    signs = rng.choice([-1.0, 1.0], size=(m, k // 32, 1)) * rng.uniform(0.5, 2.0, size=(m, k // 32, 1))
+    x = np.broadcast_to(signs, (m, k // 32, 32)).reshape(m, k)
+    check_kernel(backend, spec, type_name, np.ascontiguousarray(b).view(np.uint8).reshape(n, -1), x,
+                 key=f"extreme groups {kernel}")
+
+
+def test_quantize_d2s6_bit_exact(backend, rng: np.random.Generator) -> None:  # noqa: F811
+    for m, k in ((1, 256), (3, 768), (70, 4352)):
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 30)).astype(np.float32)
+        x[0, :64] = 0.0  # a zero scale group
+        got, want = backend.quantize(x, "mmq_d2s6"), ref.quantize_q8_1_d2s6(x)
+        assert np.array_equal(got.q, want.q) and np.array_equal(got.d, want.d), (m, k)
+        ulp = np.spacing(np.abs(want.s)).astype(np.float32)
+        assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (m, k)
+
+
+@pytest.mark.parametrize("type_name", GROUPED_TYPES)
+def test_grouped_mmq_several_waves(backend, rng: np.random.Generator, monkeypatch, type_name: str) -> None:  # noqa: F811
+    """mmq (mmq16 for the formats with 16-value scales) over grids of several waves, without split-K."""
+    monkeypatch.setattr(backend.modules, "sm_count", 2)
+    for m, n, k in ((300, 257, 768), (70, 129, 4352)):
+        raw = groups.random_blocks(type_name, n, k, rng)
+        check_kernel(backend, KERNELS["mmq"], type_name, raw, rng.standard_normal((m, k)), key=f"waves {m}")
