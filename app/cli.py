@@ -21,18 +21,19 @@ def _fmt_bytes(n: int) -> str:
 
 def cmd_fetch(args: argparse.Namespace, settings: Settings) -> int:
     from models.demo import ensure_demo
-    from models.fetch import FetchError, fetch
+    from models.fetch import MODELS, FetchError, fetch
 
     path, wrote = ensure_demo(settings.models_dir)
     print(f"{'wrote' if wrote else 'have '} {path}")
     if args.demo_only:
         return 0
-    try:
-        path, fetched = fetch(settings.models_dir)
-    except FetchError as exc:
-        print(f"qgemm fetch: {exc}", file=sys.stderr)
-        return 1
-    print(f"{'fetched' if fetched else 'have   '} {path} (sha256 verified)")
+    for name in args.model or list(MODELS):
+        try:
+            path, fetched = fetch(settings.models_dir, MODELS[name])
+        except FetchError as exc:
+            print(f"qgemm fetch: {exc}", file=sys.stderr)
+            return 1
+        print(f"{'fetched' if fetched else 'have   '} {path} (sha256 verified)")
     return 0
 
 
@@ -68,7 +69,7 @@ def inspect_file(path: Path) -> dict[str, Any]:
                            "error": model.error}
     if model.status == "ok":
         out |= {"header": inspect.header(model), "metadata": inspect.metadata(model),
-                "tensor_types": inspect.types_summary(model),
+                "tensor_types": inspect.types_summary(model), "quant_mix": inspect.quant_mix(model),
                 "tensors": [inspect.tensor_row(t) for t in model.tensors.values()]}
     return out
 
@@ -96,6 +97,7 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     print("\ntensor types:")
     for t, s in info["tensor_types"].items():
         print(f"  {t:<6} {s['count']:>5} tensors  {_fmt_bytes(s['n_bytes']):>10}")
+    print(f"  mix: {info['quant_mix']['summary']}")
     print(f"\n  {'name':<36} {'type':<6} {'shape [N, K]':<16} {'bytes':>10}  matmul")
     for t in info["tensors"]:
         print(f"  {t['name']:<36} {t['type']:<6} {str(t['shape']):<16} {t['n_bytes']:>10}  "
@@ -162,8 +164,11 @@ def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("fetch", help="write the demo model and fetch SmolLM2-135M (idempotent)")
+    p = sub.add_parser("fetch", help="write the demo model and fetch the real ones: SmolLM2-135M and Gemma 3 "
+                       "270M Q4_K_M (idempotent)")
     p.add_argument("--demo-only", action="store_true", help="write the demo model only (no network)")
+    p.add_argument("--model", action="append", choices=["smollm2", "gemma3-q4_k_m"],
+                   help="a real model to fetch (repeatable; default: every one)")
     p = sub.add_parser("serve", help="serve the HTTP API with uvicorn")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)

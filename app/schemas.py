@@ -72,10 +72,17 @@ class Residency(BaseModel):
     tensors: list[ResidentTensor]
 
 
+class QuantMix(BaseModel):
+    file_type: str | None = Field(description="llama.cpp's file type where the file names one (general.file_type)")
+    by_bytes: dict[str, float] = Field(description="each tensor type's share of the matrices' bytes")
+    summary: str = Field(examples=["Q4_K_M-like: 70% Q8_0, 17% Q5_0, 5% Q4_K, 4% Q6_K by bytes"])
+
+
 class ModelDetail(ModelSummary):
     header: dict[str, Any] | None
     metadata: dict[str, Any]
     tensor_types: dict[str, TypeSummary]
+    quant_mix: QuantMix | None = None
     resident: Residency
 
 

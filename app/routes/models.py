@@ -85,6 +85,7 @@ def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
             "header": inspect.header(model) if ok else None,
             "metadata": inspect.metadata(model) if ok else {},
             "tensor_types": inspect.types_summary(model),
+            "quant_mix": inspect.quant_mix(model) if ok else None,
             "resident": request.app.state.engine_residency(model)}
 
 

@@ -5,6 +5,7 @@
 //   w[8]   the 32 values as int8 words, value 4i + b in byte b of w[i] (they pair with Q8_1 words in order);
 //   sc[2]  MMVQ's weight scale of values 0..15 and 16..31 (G16) or of all 32 (sc[0]);
 //   cf[2]  (MIN) the factor of d_a * Σq_a over the same values: -dmin * m.
+// LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes before computing them (fast.cu, measured).
 // All are exact products of the block's fields, as llama.cpp's vec_dot_*_q8_1 forms them.
 #pragma once
 #include "common.cuh"
@@ -56,6 +57,7 @@ __device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m
 template <bool FIFTH>
 struct QK_45 {
     static constexpr int SUBS = 8;
+    static constexpr int LOOKAHEAD = FIFTH ? 1 : 4;
     static constexpr bool G16 = false, MIN = true;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8];
@@ -81,6 +83,7 @@ using Q5_K = QK_45<true>;
 // Planes: p0 qs [64], p1 scales [16] (4-bit scale, 4-bit min per 16 values), p2 d, p3 dmin
 struct Q2_K {
     static constexpr int SUBS = 8;
+    static constexpr int LOOKAHEAD = 1;
     static constexpr bool G16 = true, MIN = true;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8];
@@ -101,6 +104,7 @@ struct Q2_K {
 // Planes: p0 qs [64] (low 2 bits), p1 hmask [32] (bit 4n + jj of byte l), p2 scales [12] (6-bit), p3 d
 struct Q3_K {
     static constexpr int SUBS = 8;
+    static constexpr int LOOKAHEAD = 4;
     static constexpr bool G16 = true, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8], h[8];
@@ -124,6 +128,7 @@ struct Q3_K {
 // Planes: p0 ql [128], p1 qh [64], p2 scales [16] int8, p3 d
 struct Q6_K {
     static constexpr int SUBS = 8;
+    static constexpr int LOOKAHEAD = 1;
     static constexpr bool G16 = true, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         const int n = j >> 2, quarter = j & 3;  // values 128n + 32 quarter + l
@@ -143,6 +148,7 @@ struct Q6_K {
 // Planes: p0 qs [16], p1 d
 struct IQ4_NL {
     static constexpr int SUBS = 1;
+    static constexpr int LOOKAHEAD = 4;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
         nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 16, w);
@@ -153,6 +159,7 @@ struct IQ4_NL {
 // Planes: p0 qs [128] (sub-block j: bytes 16j..16j+15), p1 scales_l [4], p2 scales_h (uint16), p3 d
 struct IQ4_XS {
     static constexpr int SUBS = 8;
+    static constexpr int LOOKAHEAD = 4;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float*) {
         nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 128 + 16 * j, w);
@@ -168,6 +175,7 @@ __device__ __forceinline__ float e8m0_to_float(unsigned e) { return __uint_as_fl
 // Planes: p0 qs [16], p1 e
 struct MXFP4 {
     static constexpr int SUBS = 1;
+    static constexpr int LOOKAHEAD = 4;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
         nibble_table_words<MXFP4_TABLE>(P.p0 + s * 16, w);
