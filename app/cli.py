@@ -57,6 +57,17 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def quant_errors(path: Path, names: list[str] | None, blocksize: int, double_quant: bool) -> dict[str, Any]:
+    """{tensor: its rows of app.quant_report.error_rows} for the named matrices (default: every matmul one)."""
+    from app.quant_report import error_rows
+    from models.store import ModelStore
+
+    model = next(m for m in ModelStore(path.parent).scan() if m.path.resolve() == path.resolve())
+    infos = [model.tensors[n] for n in names if n in model.tensors] if names else \
+        [t for t in model.tensors.values() if t.matmul]
+    return {t.name: error_rows(model, t, blocksize, double_quant)[0] if t.matmul else t.matmul_reason for t in infos}
+
+
 def inspect_file(path: Path) -> dict[str, Any]:
     from models import inspect
     from models.store import ModelStore
@@ -80,6 +91,16 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
         print(f"qgemm inspect: {path}: no such file", file=sys.stderr)
         return 2
     info = inspect_file(path)
+    if args.quant_error and info["status"] == "ok":
+        missing = [n for n in args.tensor or [] if n not in {t["name"] for t in info["tensors"]}]
+        if missing:
+            print(f"qgemm inspect: no tensor {', '.join(missing)} in {path}", file=sys.stderr)
+            return 2
+        try:
+            info["quant_error"] = quant_errors(path, args.tensor, args.blocksize, args.double_quant)
+        except ValueError as exc:
+            print(f"qgemm inspect: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0 if info["status"] == "ok" else 1
@@ -102,6 +123,17 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     for t in info["tensors"]:
         print(f"  {t['name']:<36} {t['type']:<6} {str(t['shape']):<16} {t['n_bytes']:>10}  "
               f"{'yes' if t['matmul'] else 'no'}")
+    for name, rows in info.get("quant_error", {}).items():
+        print(f"\n{name}: requantized from its own values (the reference)")
+        if isinstance(rows, str):
+            print(f"  {rows}")
+            continue
+        print(f"  {'scheme':<14} {'bits/weight':>11} {'NMSE':>10} {'max |error|':>12}")
+        for r in rows:
+            if r["reason"]:
+                print(f"  {r['tag']:<14} {r['reason']}")
+            else:
+                print(f"  {r['tag']:<14} {r['bits_per_weight']:>11.3f} {r['nmse']:>10.3e} {r['max_abs_error']:>12.4g}")
     return 0
 
 
@@ -175,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="summarise a GGUF file")
     p.add_argument("file")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quant-error", action="store_true",
+                   help="each matrix requantized to Q4_0, Q4_1, Q5_0, Q8_0, NF4 and FP4: NMSE, max error, bits/weight")
+    p.add_argument("--tensor", action="append", help="--quant-error: only these tensors (repeatable)")
+    p.add_argument("--blocksize", type=int, default=64, help="--quant-error: NF4/FP4 values per absmax")
+    p.add_argument("--double-quant", action="store_true", help="--quant-error: NF4/FP4 with 8-bit absmax values")
     p = sub.add_parser("cut", help="write a GGUF holding only the named tensors (metadata kept)")
     p.add_argument("src")
     p.add_argument("dst")

@@ -8,6 +8,7 @@ turns those reasons into HTTP errors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -20,11 +21,13 @@ from fastapi.concurrency import run_in_threadpool
 from app.errors import ApiError
 from app.scheduler import Answer, Scheduler
 from app.settings import Settings
+from kernels.bnb4 import DEFAULT_BLOCKSIZE
 from kernels.cpu import CpuBackend, Result, Weights
 from kernels.errors import DeviceOutOfMemory
 from kernels.formats import format_of
-from kernels.reference import q8_1_overflow
+from kernels.reference import dequantize_weights, q8_1_overflow
 from kernels.registry import AUTO_DESCRIPTION, CPU_REFERENCE, KERNELS, WEIGHTS, KernelSpec, known_names, llama_formula
+from kernels.requant import Scheme, requantize
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
@@ -33,6 +36,18 @@ log = logging.getLogger("qgemm")
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
+
+
+def scheme_of(weight_format: str, blocksize: int, double_quant: bool) -> Scheme | None:
+    """The requantization a request names (None: the file's own bytes); a 422 for one that cannot be."""
+    try:
+        if weight_format == "gguf":
+            if blocksize != DEFAULT_BLOCKSIZE or double_quant:
+                raise ValueError("blocksize and double_quant apply to nf4 and fp4 only, not gguf")
+            return None
+        return Scheme(weight_format, blocksize, double_quant)
+    except ValueError as exc:
+        raise ApiError(422, "bad_weight_format", str(exc)) from None
 
 
 class Engine:
@@ -156,9 +171,27 @@ class Engine:
             await asyncio.sleep(0 if time.perf_counter() - t0 < POLL_SPIN_S else POLL_SLEEP_S)
         return self.cuda.finish(pending)
 
-    def weights(self, model: Model, info: TensorInfo) -> Weights:
+    @staticmethod
+    def effective(info: TensorInfo, scheme: Scheme | None) -> TensorInfo:
+        """The tensor as a request multiplies it: as stored, or requantized to `scheme` (its values, then
+        the scheme's type: every kernel rule reads that type)."""
+        if scheme is None:
+            return info
+        if info.matmul_reason:
+            raise ApiError(422, "unsupported_tensor", info.matmul_reason)
+        reason = scheme.k_reason(info.shape[1])
+        if reason is not None:
+            raise ApiError(422, "bad_weight_format", f"{info.name} cannot be requantized to {scheme.format}: {reason}")
+        return dataclasses.replace(info, type_name=scheme.type_name)
+
+    def weights(self, model: Model, info: TensorInfo, scheme: Scheme | None = None) -> Weights:
         n, k = info.shape
-        return Weights((model.version_key, info.name), info.type_name, n, k, lambda: model.raw(info.name))
+        key = (model.version_key, info.name)
+        if scheme is None:
+            return Weights(key, info.type_name, n, k, lambda: model.raw(info.name))
+        src = info.type_name  # requantized from its values when a cache first needs them
+        return Weights(key, scheme.type_name, n, k,
+                       lambda: requantize(dequantize_weights(src, model.raw(info.name)), scheme), scheme.tag)
 
     def prepare(self, model: Model, info: TensorInfo, x: np.ndarray,
                 kernel: str) -> tuple[np.ndarray, KernelSpec | None]:
@@ -184,28 +217,32 @@ class Engine:
                 raise ApiError(422, "activation_out_of_range", f"activations out of range for {spec.name}: {overflow}")
         return x32, None if kernel == "auto" else spec
 
-    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str) -> Answer:
-        """A request's product, through the scheduler (which may batch it with others of this tensor)."""
+    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str,
+                     scheme: Scheme | None = None) -> Answer:
+        """A request's product, through the scheduler (which may batch it with others of this tensor in the
+        same weight format)."""
+        eff = self.effective(info, scheme)
         if x.size <= INLINE_VALUES:
-            x32, spec = self.prepare(model, info, x, kernel)
+            x32, spec = self.prepare(model, eff, x, kernel)
         else:  # large X: its checks take milliseconds, off the event loop
-            x32, spec = await run_in_threadpool(self.prepare, model, info, x, kernel)
-        answer = await self.scheduler.submit((model.version_key, info.name), (model, info), x32, spec,
-                                             lambda rows: self.choose("auto", info, rows))
+            x32, spec = await run_in_threadpool(self.prepare, model, eff, x, kernel)
+        key = (model.version_key, info.name, scheme.tag if scheme else "")
+        answer = await self.scheduler.submit(key, (model, info, scheme), x32, spec,
+                                             lambda rows: self.choose("auto", eff, rows))
         if not np.isfinite(answer.output).all():
             r, c = (int(v) for v in np.argwhere(~np.isfinite(answer.output))[0])
             raise ApiError(422, "product_out_of_range",
                            f"the product overflows float32 (first at row {r}, column {c}): scale the activations down")
         return answer
 
-    async def _run_batch(self, context: tuple[Model, TensorInfo], spec: KernelSpec | None,
+    async def _run_batch(self, context: tuple[Model, TensorInfo, Scheme | None], spec: KernelSpec | None,
                          parts: list[np.ndarray], alone: bool = False) -> tuple[KernelSpec, Result]:
         """One product of stacked rows: on the backend's worker thread, so that the event loop takes in
         requests meanwhile; a lone small product on resident weights from the event loop itself."""
-        model, info = context
+        model, info, scheme = context
         if spec is None:
-            spec = self.choose("auto", info, sum(p.shape[0] for p in parts))
-        w = self.weights(model, info)
+            spec = self.choose("auto", self.effective(info, scheme), sum(p.shape[0] for p in parts))
+        w = self.weights(model, info, scheme)
         if spec.backend == "cuda":
             rows = sum(p.shape[0] for p in parts)
             if alone and rows <= LOOP_ROWS and self.cuda.resident_for(spec, w):
@@ -221,22 +258,26 @@ class Engine:
         except DeviceOutOfMemory as exc:
             raise ApiError(503, "gpu_out_of_memory", str(exc), headers={"Retry-After": "1"}) from None
 
-    def preload(self, model: Model, infos: list[TensorInfo], kernel: str | None) -> list[dict[str, Any]]:
-        """Upload tensors to the GPU in the layouts `kernel` (default: what auto picks) reads."""
+    def preload(self, model: Model, infos: list[TensorInfo], kernel: str | None,
+                scheme: Scheme | None = None) -> list[dict[str, Any]]:
+        """Upload tensors to the GPU in the layouts `kernel` (default: what auto picks) reads, as stored or
+        requantized to `scheme`."""
         assert self.cuda is not None
         loaded = []
         for info in infos:
-            n, k = info.shape
+            eff = self.effective(info, scheme)
+            n, k = eff.shape
             if kernel:
-                specs = [self.choose(kernel, info, 1)]
+                specs = [self.choose(kernel, eff, 1)]
             else:
-                specs = [s for m in (1, 512) if (s := self.cuda.auto(info.type_name, m, n, k)) is not None]
+                specs = [s for m in (1, 512) if (s := self.cuda.auto(eff.type_name, m, n, k)) is not None]
             for spec in {s.weight_layout: s for s in specs if s.backend == "cuda"}.values():
+                w = self.weights(model, info, scheme)
                 try:
-                    nbytes = self.cuda.load(spec, self.weights(model, info))
+                    nbytes = self.cuda.load(spec, w)
                 except DeviceOutOfMemory as exc:
                     raise ApiError(503, "gpu_out_of_memory", str(exc)) from None
-                loaded.append({"tensor": info.name, "layout": spec.weight_layout, "n_bytes": nbytes})
+                loaded.append({"tensor": info.name, "layout": w.layout_key(spec.weight_layout), "n_bytes": nbytes})
         return loaded
 
     def forget(self, model: Model) -> None:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 from kernels.registry import known_names
 
 # The demo model (`qgemm fetch --demo-only`, always present) names every example, so that clients
@@ -117,6 +118,31 @@ class TensorDetail(TensorRow):
     stats_error: str | None = None
 
 
+class SchemeError(BaseModel):
+    weight_format: str = Field(description="`gguf` (the tensor as stored: the reference) or the requantization")
+    tag: str
+    blocksize: int | None
+    double_quant: bool
+    bits_per_weight: float | None = Field(None, description="stored bits per weight, scales included")
+    nmse: float | None = Field(None, description="squared error over the reference's energy")
+    max_abs_error: float | None = None
+    reason: str | None = Field(None, description="why this scheme cannot hold the tensor (then no figures)")
+    kernel: dict[str, str] | None = Field(None, description="per M: the kernel auto ran (GPU only)")
+    gemm_us: dict[str, float] | None = Field(None, description="per M: median device time of the activations' "
+                                                                "preparation and the product (GPU only)")
+
+
+class QuantizationReport(BaseModel):
+    model: str
+    tensor: str
+    type: str
+    shape: list[int]
+    reference: str = Field(description="what the errors are measured against")
+    device: str | None
+    method: str | None = Field(description="how the times were taken (GPU only)")
+    schemes: list[SchemeError]
+
+
 ACTIVATION_FORMAT_DOC = (
     "the formula the kernel computes: q8_1_mmvq is llama.cpp's MMVQ (its path for M <= 8: Q8_1 activations "
     "with half2 (d, s), unsigned weights with the sum term, or a minimum's m_w*s_a), q8_1_mmq its MMQ on tensor "
@@ -149,7 +175,22 @@ ACTIVATIONS_DOC = (
     "`product_out_of_range`.")
 
 
-class MatmulRequest(BaseModel):
+WeightFormat = Literal["gguf", "q4_0", "q4_1", "q5_0", "q8_0", "nf4", "fp4"]
+WEIGHT_FORMAT_DOC = ("the weights as stored (`gguf`), or the tensor's values requantized once at upload (cached like "
+                     "any layout): to a GGUF block format with gguf's quantizer, or to bitsandbytes' NF4/FP4 "
+                     "(blockwise absmax, its code books; `blocksize`, `double_quant`)")
+
+
+class RequantFields(BaseModel):
+    """The weight format a request multiplies (or loads) a tensor in."""
+    weight_format: WeightFormat = Field("gguf", description=WEIGHT_FORMAT_DOC)
+    blocksize: int = Field(DEFAULT_BLOCKSIZE, description=f"nf4/fp4: values per absmax, one of "
+                                                          f"{', '.join(map(str, BLOCKSIZES))}")
+    double_quant: bool = Field(False, description="nf4/fp4: the absmax values quantized to 8 bits as well "
+                                                  "(bitsandbytes' compress_statistics)")
+
+
+class MatmulRequest(RequantFields):
     # strict: "1.5" or true is a malformed body, not a number; NaN and Infinity parse, then get a 422
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
         {"model": DEMO_MODEL, "tensor": DEMO_TENSOR, "kernel": "auto",
@@ -173,6 +214,7 @@ class MatmulResponse(BaseModel):
     model: str
     tensor: str
     kernel: str
+    weight_format: str = Field(description="`gguf`, or the requantization's tag (e.g. `nf4-b64`, `fp4-b64-dq`)")
     activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf"] = Field(
         description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda"]
@@ -180,7 +222,7 @@ class MatmulResponse(BaseModel):
     batch: BatchInfo
 
 
-class LoadRequest(BaseModel):
+class LoadRequest(RequantFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tensors": [DEMO_TENSOR]}]})
     tensors: list[str] | None = Field(None, description="tensor names (default: every tensor that multiplies)")
     kernel: str | None = Field(None, description="upload in the layout this kernel reads (default: auto's)",

@@ -36,6 +36,8 @@ class Settings(BaseModel):
     # docs/service.md), each with its own engine: its own copy of the weights on the GPU, its own batching and
     # its own /metrics; give each a share of the GPU with QGEMM_GPU_MEMORY_BYTES
     workers: int = Field(1, ge=1, le=64)
+    # GET .../quantization requantizes a tensor six ways in host memory: tensors above this many values are refused
+    quant_compare_max_values: int = Field(1 << 25, gt=0)
     dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
     @field_validator("api_key")

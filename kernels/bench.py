@@ -155,6 +155,49 @@ def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[]
     return lambda: x
 
 
+def bnb_us(values: Any, quant_type: str, x: Any, rotate_bytes: int, reps: int) -> float | None:
+    """bitsandbytes' own product of the same values (quantize_4bit, blocksize 64), timed the way ours is: calls on
+    rotating weight copies (3x L2) captured in a CUDA graph (torch's), the median replay per call.  M = 1:
+    gemv_4bit with fp32 activations (its kernel for one row); above: dequantize_4bit + torch.matmul, as its
+    matmul_4bit runs a batch.  None where PyTorch or bitsandbytes is missing."""
+    try:
+        import torch
+        from bitsandbytes import functional as F
+    except ImportError:
+        return None
+    w = torch.from_numpy(values).cuda()
+    qb, state = F.quantize_4bit(w, blocksize=64, quant_type=quant_type)
+    copies = max(2, math.ceil(rotate_bytes / (qb.numel() + state.absmax.numel() * 4)))
+    bank = [(qb.clone(), F.QuantState(absmax=state.absmax.clone(), shape=state.shape, dtype=state.dtype,
+                                      blocksize=64, code=state.code, quant_type=quant_type)) for _ in range(copies)]
+    xt = torch.from_numpy(x.get() if hasattr(x, "get") else x).cuda()
+
+    def call(i: int) -> Any:
+        b, st = bank[i % copies]
+        if xt.shape[0] == 1:
+            return F.gemv_4bit(xt, b.t(), state=st)
+        return xt @ F.dequantize_4bit(b, st).t()
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            call(i)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(reps):
+                call(i)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            graph.replay()
+            b.record(stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / reps)
+    return statistics.median(times) * 1e3
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy
     import numpy as np
@@ -163,7 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from app.settings import Settings
     from kernels.cuda import launch
     from kernels.cuda.backend import CudaBackend
+    from kernels.formats import BNB4_TYPES
+    from kernels.reference import dequantize_weights
     from kernels.registry import KERNELS
+    from kernels.requant import Scheme, requantize
     from kernels.tuning import peak_int8_tops
     from models.demo import BENCH_TENSORS, ensure_demo
 
@@ -184,11 +230,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peak = peak_int8_tops(cupy, mods)
             for type_name in args.types.split(","):
                 for k in (int(x) for x in args.k.split(",")):
-                    if (type_name, k) not in BENCH_TENSORS:
+                    # NF4/FP4: the Q4_0 benchmark tensor's values, requantized (blocksize 64)
+                    source = ("Q4_0", k) if type_name in BNB4_TYPES else (type_name, k)
+                    if source not in BENCH_TENSORS:
                         print(f"{type_name} K={k}: the demo holds no benchmark tensor of it, skipped", flush=True)
                         continue
-                    t = tensors[BENCH_TENSORS[(type_name, k)]]
+                    t = tensors[BENCH_TENSORS[source]]
                     raw = np.asarray(t.data)
+                    values = None
+                    if type_name in BNB4_TYPES:
+                        values = dequantize_weights(source[0], raw)
+                        raw = requantize(values, Scheme(type_name.lower()))
                     n = raw.shape[0]
                     wbytes = raw.nbytes
                     w32 = launch.make_layout(mods, "f32", type_name, raw, n, k)["w"].astype(cupy.float64)
@@ -241,9 +293,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "floor_us": max(moved / bw, 2 * m * n * k / (peak * 1e12)) * 1e6,
                                 "llama_cpp_us": LLAMA_CPP_US.get((type_name, k), {}).get(m),
                                 "cublas_f16_anchor_us": CUBLAS_F16_US.get(k, {}).get(m),
+                                "bitsandbytes_us": None,
                             })
                             print(f"{type_name} K={k:<5} M={m:<4} {name:<12} total {total * 1e3:9.1f} µs "
                                   f"(same buffer {total_same * 1e3:9.1f})  NMSE {err:.2e}", flush=True)
+                        if values is not None:  # bitsandbytes' own product beside ours, the same run and method
+                            theirs = bnb_us(values, type_name.lower(), x, 3 * backend.l2_bytes, args.reps)
+                            for r in rows:
+                                if (r["type"], r["K"], r["M"]) == (type_name, k, m):
+                                    r["bitsandbytes_us"] = theirs
+                            print(f"{type_name} K={k:<5} M={m:<4} bitsandbytes {theirs} µs", flush=True)
                     del layouts, w32
                     cupy.get_default_memory_pool().free_all_blocks()
         return {"bw": bw, "peak": peak}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,12 @@ class Weights:
     type_name: str
     n: int
     k: int
-    raw: Callable[[], np.ndarray]  # GGUF block bytes, uint8 [N, row_bytes]
+    raw: Callable[[], Any]  # GGUF block bytes, uint8 [N, row_bytes] (or float values; a Bnb4Tensor for NF4/FP4)
+    variant: str = ""  # a requantization's tag (kernels/requant.py): part of every cache key
+
+    def layout_key(self, layout: str) -> str:
+        """The name its arrays in `layout` are cached under."""
+        return f"{layout}@{self.variant}" if self.variant else layout
 
 
 @dataclass
@@ -65,7 +71,7 @@ class CpuBackend:
 
     def _prepared(self, w: Weights, layout: str, make: Callable[[np.ndarray], object],
                   nbytes: Callable[[object], int]) -> tuple[object, float]:
-        key = (w.key, layout)
+        key = (w.key, w.layout_key(layout))
         hit = self.cache.get(key)
         if hit is not None:
             return hit, 0.0

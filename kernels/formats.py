@@ -17,7 +17,7 @@ QK = 32  # values per block of every legacy format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 @dataclass(frozen=True)
 class BlockFormat:
     name: str
-    ggml_type: GGMLQuantizationType
+    ggml_type: GGMLQuantizationType | None  # None: not a GGUF type (bitsandbytes' NF4/FP4, made at upload)
     block_values: int
     block_bytes: int
     matmul: bool  # weights of this type can be multiplied
@@ -41,6 +41,9 @@ class BlockFormat:
     # weight scale per group of this many values (16 or 32); 0 for the legacy formats above
     group_values: int = 0
     group_min: bool = False  # x = scale*q - min per group: MMVQ takes min*d_a*Σq_a, MMQ min*s_a (DS4, D2S6)
+    # bitsandbytes' 4-bit formats (kernels/bnb4.py): a code book value times a float absmax per block of
+    # `blocksize` values over the flattened matrix (block_values is the default, 64); float activations
+    bnb4: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -64,7 +67,12 @@ class BlockFormat:
     @property
     def quantizes_activations(self) -> bool:
         """Whether llama.cpp multiplies it with Q8_1 activations (block formats) or in floats."""
-        return self.matmul and not self.is_float
+        return self.matmul and not self.is_float and not self.bnb4
+
+    @property
+    def whole_block_rows(self) -> bool:
+        """Whether a row must be whole blocks (GGUF formats; bitsandbytes' blocks run over the flat matrix)."""
+        return not self.is_float and not self.bnb4
 
     def row_bytes(self, k: int) -> int:
         return k // self.block_values * self.block_bytes
@@ -114,7 +122,20 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
     )
 }
 
-MATMUL_TYPES: frozenset[str] = frozenset(f.name for f in FORMATS.values() if f.matmul)
+# bitsandbytes' formats: never stored in a GGUF file, made from a tensor's values at upload (kernels/requant.py)
+BNB4_FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("NF4", None, 64, 36, True, "per block of 64 (32..4096) values a float32 absmax; 4-bit codes, "
+                    "two a byte (first high); x = absmax * NF4[q] (quantiles of N(0, 1))", bnb4=True),
+        BlockFormat("FP4", None, 64, 36, True, "per block of 64 (32..4096) values a float32 absmax; 4-bit codes, "
+                    "two a byte (first high); x = absmax * FP4[q] (E2M1 with bias 2, divided by 12)", bnb4=True),
+    )
+}
+BNB4_TYPES: tuple[str, ...] = tuple(BNB4_FORMATS)
+
+# what a matrix can be multiplied in: a stored type, or bitsandbytes' formats it was requantized to
+MATMUL_TYPES: frozenset[str] = frozenset(f.name for f in (*FORMATS.values(), *BNB4_FORMATS.values()) if f.matmul)
 QUANT_TYPES: tuple[str, ...] = tuple(f.name for f in FORMATS.values() if f.quantizes_activations)  # Q8_1 dots
 # llama.cpp's MMQ multiplies these as signed int8 (q - offset) with one scale per 32 values (vec_dot_q8_0_q8_1_mma)
 MMQ_SIGNED_TYPES: tuple[str, ...] = tuple(
@@ -134,6 +155,8 @@ def mmq_ds_layout(type_name: str) -> str:
 
 
 def format_of(type_name: str) -> BlockFormat | None:
+    if type_name in BNB4_FORMATS:
+        return BNB4_FORMATS[type_name]
     try:
         return FORMATS.get(GGMLQuantizationType[type_name])
     except KeyError:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from kernels import groups
+from kernels import bnb4, groups
 from kernels.formats import FORMATS, QK, QUANT_TYPES
 from kernels.groups import GroupWeights
 
@@ -270,7 +270,10 @@ def prepare_block_weights(type_name: str, raw: np.ndarray) -> BlockWeights | Gro
 
 
 def dequantize_weights(type_name: str, raw: np.ndarray) -> np.ndarray:
-    """float32 [N, K] (gguf's dequantizer; F32/F16 tensors arrive as their values already)."""
+    """float32 [N, K] (gguf's dequantizer; F32/F16 tensors arrive as their values already; bitsandbytes'
+    NF4/FP4 as the Bnb4Tensor requant.py made)."""
+    if isinstance(raw, bnb4.Bnb4Tensor):
+        return bnb4.dequantize_4bit(raw)
     raw = np.asarray(raw)
     if raw.dtype.kind == "f":
         return raw.astype(np.float32, copy=False)

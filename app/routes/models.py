@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
+from app.engine import scheme_of
 from app.errors import ApiError
 from app.openapi import errors
+from app.quant_report import METHOD, error_rows, time_schemes
 from app.schemas import (
     LoadRequest,
     LoadResponse,
     ModelDetail,
     ModelId,
     ModelList,
+    QuantizationReport,
     TensorDetail,
     TensorList,
     TensorName,
@@ -118,6 +121,48 @@ def get_tensor(request: Request, model_id: ModelId, name: TensorName) -> dict[st
             "stats": stats, "stats_error": stats_error}
 
 
+MAX_COMPARE_M = 4  # batch sizes one report times
+
+
+@router.get("/models/{model_id}/tensors/{name}/quantization", response_model=QuantizationReport,
+            operation_id="tensor_quantization", responses=errors(404, 409, 422))
+async def tensor_quantization(
+        request: Request, model_id: ModelId, name: TensorName,
+        m: list[int] = Query([1], description=f"GPU: the batch sizes to time each scheme's product at (at most "
+                                              f"{MAX_COMPARE_M})"),
+        blocksize: int = Query(64, description="nf4/fp4: values per absmax"),
+        double_quant: bool = Query(False, description="nf4/fp4: 8-bit absmax values")) -> dict[str, Any]:
+    """What each scheme does to this tensor: its values (the file's, dequantized: the reference) requantized to
+    Q4_0, Q4_1, Q5_0, Q8_0 (gguf's quantizer) and bitsandbytes' NF4 and FP4; each one's NMSE, largest error and
+    bits per weight, and on a GPU the time of its product at each M."""
+    model = _readable(await _model_now(request, model_id))
+    info = model.tensors.get(name)
+    if info is None:
+        raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
+    if info.matmul_reason:
+        raise ApiError(422, "unsupported_tensor", info.matmul_reason)
+    settings, engine = request.app.state.settings, request.app.state.engine
+    if info.n_elements > settings.quant_compare_max_values:
+        raise ApiError(422, "tensor_too_large", f"{name} has {info.n_elements} values; comparisons take tensors of "
+                                                f"at most {settings.quant_compare_max_values} "
+                                                "(QGEMM_QUANT_COMPARE_MAX_VALUES)")
+    scheme_of("nf4", blocksize, double_quant)  # a 422 for a blocksize bitsandbytes has not
+    if not m or len(m) > MAX_COMPARE_M or any(r < 1 or r > settings.max_rows for r in m):
+        raise ApiError(422, "bad_m", f"m takes 1 to {MAX_COMPARE_M} batch sizes, each 1..{settings.max_rows}")
+    cache = request.app.state.stats_cache
+    key = (model.version_key, name, "quantization", blocksize, double_quant)
+    cached = cache.get(key)
+    if cached is None:
+        cached = await run_in_threadpool(error_rows, model, info, blocksize, double_quant)
+        cache.put(key, cached, 1)
+    rows = [dict(r) for r in cached[0]]
+    if engine.cuda is not None:
+        await run_in_threadpool(time_schemes, engine, model, info, rows, cached[1], sorted(set(m)))
+    return {"model": model.id, "tensor": name, "type": info.type_name, "shape": list(info.shape),
+            "reference": f"the tensor's own values: gguf's dequantization of its {info.type_name} bytes",
+            "device": engine.device, "method": METHOD if engine.cuda is not None else None, "schemes": rows}
+
+
 @router.post("/models/{model_id}/load", response_model=LoadResponse, operation_id="load_model",
              responses={200: {"links": LOADED_LINKS}, **errors(404, 409, 422, 503)})
 async def load_model(request: Request, model_id: ModelId,
@@ -137,7 +182,8 @@ async def load_model(request: Request, model_id: ModelId,
         if info.matmul_reason:
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
         infos.append(info)
-    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None)
+    scheme = scheme_of(body.weight_format, body.blocksize, body.double_quant) if body else None
+    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None, scheme)
     return {"model": model.id, "loaded": loaded, "resident": request.app.state.engine_residency(model)}
 
 

@@ -145,7 +145,7 @@ class CudaBackend:
     def _weights(self, spec: KernelSpec, w: Weights) -> tuple[dict, float]:
         layout = spec.weight_layout
         nbytes = launch.layout_nbytes(layout, w.type_name, w.n, w.k)
-        return self.resident.get(w.key, layout, nbytes,
+        return self.resident.get(w.key, w.layout_key(layout), nbytes,
                                  lambda: launch.make_layout(self.modules, layout, w.type_name, w.raw(), w.n, w.k))
 
     def load(self, spec: KernelSpec, w: Weights) -> int:
@@ -263,7 +263,7 @@ class CudaBackend:
 
     def resident_for(self, spec: KernelSpec, w: Weights) -> bool:
         """Whether this product's weights are on the GPU already (then launching it costs microseconds)."""
-        return self.resident.has(w.key, spec.weight_layout)
+        return self.resident.has(w.key, w.layout_key(spec.weight_layout))
 
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
         """The device's Q8_1 of x in an activation layout ("blocks", "split", "mmq_d4" or "mmq_ds4"; for tests)."""

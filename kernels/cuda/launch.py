@@ -262,6 +262,40 @@ def _mmv_bf16(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: i
     mods.function("w16.cu", "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], a, y, I32(n), I32(k)))
 
 
+# ---- bitsandbytes' NF4 / FP4 (bnb4.cu) -------------------------------------------------------------
+def _bnb4_args(t: str, w: dict, n: int, k: int) -> tuple[str, tuple]:
+    """(the kernels' suffix, their weight arguments) for a bnb4 layout: its blocksize from the count of
+    scales (blocks over the flat N*K values), double quantization when the 8-bit scales are there."""
+    from kernels.bnb4 import BLOCKSIZES
+
+    dq = "qabs" in w
+    blocks = int((w["qabs"] if dq else w["absmax"]).size)
+    bs = next((b for b in BLOCKSIZES if cdiv(n * k, b) == blocks), BLOCKSIZES[-1])
+    z = w["qs"]  # arguments a variant never reads: any pointer
+    args = (w["qs"], w.get("absmax", z), w.get("qabs", z), w.get("absmax2", z), w.get("code8", z),
+            np.float32(w["offset_h"]) if dq else np.float32(0), I32(bs.bit_length() - 1))
+    return f"{t.lower()}{'_dq' if dq else ''}", args
+
+
+def _bnb4_gemv(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    sfx, args = _bnb4_args(t, w, n, k)
+    mr = next(r for r in (1, 2, 4, 8) if m <= r)
+    mods.function("bnb4.cu", f"gemv_bnb4_{sfx}_{mr}")((cdiv(n, 8),), (256,), (*args, a, y, I32(m), I32(n), I32(k)))
+
+
+def dequantize_bnb4(mods: Any, t: str, w: dict, n: int, k: int, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    """The float32 [N, K] matrix bitsandbytes' dequantize_4bit gives, on the device."""
+    sfx, args = _bnb4_args(t, w, n, k)
+    out = cupy.empty((n, k), dtype=cupy.float32) if out is None else out
+    words = n * k // 8
+    mods.function("bnb4.cu", f"dequantize_bnb4_{sfx}")((cdiv(words, 256),), (256,), (*args, out, I64(words)))
+    return out
+
+
+def _bnb4_dequant(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
+    cublas.gemm_xwt(a, dequantize_bnb4(mods, t, w, n, k), y)  # weights stay 4-bit; a float copy per product
+
+
 def float_activations(mods: Any, activation_format: str, x: cupy.ndarray, out: cupy.ndarray | None = None
                       ) -> cupy.ndarray:
     """The activations a float kernel reads: fp32 as they are (f32, f16_mmvf: the kernel rounds them), cast to
@@ -294,6 +328,8 @@ LAUNCHERS: dict[str, Launch] = {
     "mmq_wgmma": Launch("fast.cu", partial(_mmq, base="mmq_wgmma")),
     "gemv": Launch("fast.cu", _gemv),
     "gemv_rows": Launch("fast.cu", _gemv_rows),
+    "bnb4_gemv": Launch("bnb4.cu", _bnb4_gemv),
+    "bnb4_dequant": Launch("bnb4.cu", _bnb4_dequant),
 }
 
 
@@ -305,6 +341,8 @@ def suffix(type_name: str) -> str:
 def layout_nbytes(layout: str, type_name: str, n: int, k: int) -> int:
     fmt = format_of(type_name)
     assert fmt is not None
+    if layout == "bnb4":  # codes and a float scale per block: at most blocksize 32's
+        return n * k // 2 + cdiv(n * k, 32) * 4
     h = 2 if fmt.group_values == 16 else 1  # weight scales a block (and minima)
     per_block = QK + 4 * h * (2 if fmt.has_min or fmt.group_min else 1)
     return {"gguf": n * fmt.row_bytes(k),
@@ -334,6 +372,16 @@ def make_layout(mods: Any, layout: str, type_name: str, raw: np.ndarray, n: int,
     fmt = format_of(type_name)
     assert fmt is not None
     kb = k // QK
+    if layout == "bnb4":  # a Bnb4Tensor: codes as bitsandbytes packs them, its scales (8-bit ones when nested)
+        from kernels.bnb4 import DYNAMIC_CODE
+
+        arrays = {"qs": cupy.asarray(raw.packed)}
+        if raw.nested is None:
+            arrays["absmax"] = cupy.asarray(raw.absmax)
+        else:
+            arrays.update(qabs=cupy.asarray(raw.nested.q), absmax2=cupy.asarray(raw.nested.absmax2),
+                          code8=cupy.asarray(DYNAMIC_CODE), offset_h=np.float32(raw.nested.offset))
+        return arrays
     if layout == "split" and fmt.grouped:  # each block field its own plane (groups.cuh decodes them)
         from kernels.groups import field_planes
 

@@ -13,8 +13,8 @@ from typing import Any
 from kernels.registry import KERNELS, KernelSpec, llama_formula
 
 TABLE = Path(__file__).with_name("table.json")
-FALLBACK_SMALL_M = ("gemv", "gemv_rows", "vec_dp4a", "tiled_dp4a")  # M <= 8: stream the weights
-FALLBACK_LARGE_M = ("mmq", "mmq_wgmma")  # reuse weights from shared memory
+FALLBACK_SMALL_M = ("gemv", "gemv_rows", "vec_dp4a", "tiled_dp4a", "bnb4_gemv")  # M <= 8: stream the weights
+FALLBACK_LARGE_M = ("mmq", "mmq_wgmma", "bnb4_dequant")  # reuse weights from shared memory
 
 
 @lru_cache(maxsize=1)
