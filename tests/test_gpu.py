@@ -24,7 +24,7 @@ from app.settings import Settings
 from kernels import groups
 from kernels import reference as ref
 from kernels.cpu import Weights
-from kernels.formats import FORMATS, LEGACY_TYPES
+from kernels.formats import BNB4_TYPES, FORMATS, LEGACY_TYPES
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
 from tests.conftest import stream_seed
@@ -34,7 +34,8 @@ pytestmark = pytest.mark.gpu
 
 MS, NS, KS = (1, 3, 17, 130), (1, 33, 257), (32, 96, 4096)
 CUDA_KERNELS = [name for name, s in KERNELS.items() if s.backend == "cuda"]
-GPU_TYPES = sorted({t for s in KERNELS.values() if s.backend == "cuda" for t in s.weight_types})
+# GGUF types: bitsandbytes' NF4/FP4 are made from values at upload (tests/test_gpu_bnb4.py)
+GPU_TYPES = sorted({t for s in KERNELS.values() if s.backend == "cuda" for t in s.weight_types} - set(BNB4_TYPES))
 
 
 @pytest.fixture(scope="module")
