@@ -21,13 +21,12 @@ from fastapi.concurrency import run_in_threadpool
 from app.errors import ApiError
 from app.scheduler import Answer, Scheduler
 from app.settings import Settings
-from kernels.bnb4 import DEFAULT_BLOCKSIZE
 from kernels.cpu import CpuBackend, Result, Weights
 from kernels.errors import DeviceOutOfMemory
 from kernels.formats import format_of
 from kernels.reference import dequantize_weights, q8_1_overflow
 from kernels.registry import AUTO_DESCRIPTION, CPU_REFERENCE, KERNELS, WEIGHTS, KernelSpec, known_names, llama_formula
-from kernels.requant import Scheme, requantize
+from kernels.requant import BNB4_TARGETS, Scheme, requantize
 from models.store import Model, TensorInfo
 
 log = logging.getLogger("qgemm")
@@ -39,12 +38,13 @@ INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the
 
 
 def scheme_of(weight_format: str, blocksize: int, double_quant: bool) -> Scheme | None:
-    """The requantization a request names (None: the file's own bytes); a 422 for one that cannot be."""
+    """The requantization a request names (None: the file's own bytes); a 422 for one that cannot be.
+    blocksize and double_quant belong to nf4/fp4 and are ignored for the other formats."""
     try:
         if weight_format == "gguf":
-            if blocksize != DEFAULT_BLOCKSIZE or double_quant:
-                raise ValueError("blocksize and double_quant apply to nf4 and fp4 only, not gguf")
             return None
+        if weight_format not in BNB4_TARGETS:
+            return Scheme(weight_format)
         return Scheme(weight_format, blocksize, double_quant)
     except ValueError as exc:
         raise ApiError(422, "bad_weight_format", str(exc)) from None

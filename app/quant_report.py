@@ -23,13 +23,20 @@ METHOD = (f"per M, auto's kernel for the scheme on weights already on the GPU (u
 
 def error_rows(model: Model, info: TensorInfo, blocksize: int = DEFAULT_BLOCKSIZE,
                double_quant: bool = False) -> tuple[list[dict[str, Any]], list[Scheme]]:
-    """The reference row (the tensor as stored) and each scheme's error and size."""
-    raw = model.raw(info.name)
-    values = dequantize_weights(info.type_name, raw)
+    """The reference row (the tensor as stored) and each scheme's error and size.  A vector counts as one row;
+    a tensor gguf cannot dequantize gets its reason on every row."""
     schemes = default_schemes(blocksize, double_quant)
     own = {"weight_format": "gguf", "tag": info.type_name, "blocksize": None, "double_quant": False,
-           "bits_per_weight": 8 * info.n_bytes / info.n_elements, "nmse": 0.0, "max_abs_error": 0.0, "reason": None}
-    return [own, *compare(values, schemes)], schemes
+           "bits_per_weight": 8 * info.n_bytes / max(info.n_elements, 1), "nmse": 0.0, "max_abs_error": 0.0,
+           "reason": None}
+    try:
+        values = dequantize_weights(info.type_name, model.raw(info.name)).reshape(-1, info.shape[-1])
+        return [own, *compare(values, schemes)], schemes
+    except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
+        reason = f"{info.type_name} cannot be dequantized here ({type(exc).__name__}: {exc})"
+        return [{**own, "nmse": None, "max_abs_error": None, "reason": reason},
+                *({"weight_format": s.format, "tag": s.tag, "blocksize": s.blocksize if s.format in ("nf4", "fp4")
+                   else None, "double_quant": s.double_quant, "reason": reason} for s in schemes)], schemes
 
 
 def time_schemes(engine: Any, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],

@@ -184,10 +184,10 @@ WEIGHT_FORMAT_DOC = ("the weights as stored (`gguf`), or the tensor's values req
 class RequantFields(BaseModel):
     """The weight format a request multiplies (or loads) a tensor in."""
     weight_format: WeightFormat = Field("gguf", description=WEIGHT_FORMAT_DOC)
-    blocksize: int = Field(DEFAULT_BLOCKSIZE, description=f"nf4/fp4: values per absmax, one of "
-                                                          f"{', '.join(map(str, BLOCKSIZES))}")
+    blocksize: int = Field(DEFAULT_BLOCKSIZE, description="nf4/fp4: values per absmax (ignored for other formats)",
+                           json_schema_extra={"enum": list(BLOCKSIZES)})
     double_quant: bool = Field(False, description="nf4/fp4: the absmax values quantized to 8 bits as well "
-                                                  "(bitsandbytes' compress_statistics)")
+                                                  "(bitsandbytes' compress_statistics; ignored for other formats)")
 
 
 class MatmulRequest(RequantFields):

@@ -114,14 +114,20 @@ def test_matmul_in_nf4_and_fp4_over_the_api(client, rng: np.random.Generator) ->
 
 @pytest.mark.parametrize("payload,code", [
     ({"weight_format": "nf4", "blocksize": 48}, "bad_weight_format"),
-    ({"weight_format": "gguf", "double_quant": True}, "bad_weight_format"),
-    ({"weight_format": "q4_0", "blocksize": 128}, "bad_weight_format"),
+    ({"weight_format": "fp4", "blocksize": 8192}, "bad_weight_format"),
     ({"weight_format": "nf4", "kernel": "gemv"}, "kernel_cannot_run"),
 ])
 def test_matmul_weight_format_errors(client, payload: dict, code: str) -> None:
     r = client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight",
                                         "activations": [[0.5] * 64], **payload})
     assert r.status_code == 422 and r.json()["error"]["code"] == code, r.text
+
+
+def test_blocksize_and_double_quant_are_ignored_outside_nf4_fp4(client) -> None:
+    for wf in ("gguf", "q4_0"):
+        r = client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.5] * 64],
+                                            "weight_format": wf, "blocksize": 128, "double_quant": True})
+        assert r.status_code == 200 and r.json()["weight_format"] == wf
 
 
 def test_weight_format_on_npy_bodies(client) -> None:
@@ -145,6 +151,14 @@ def test_quantization_report(client) -> None:
     assert rows["Q4_1"]["nmse"] == 0 and rows["q4_1"]["nmse"] == 0  # its own format: nothing lost
     assert 0 < rows["nf4-b64"]["nmse"] < rows["fp4-b64"]["nmse"] and rows["q8_0"]["nmse"] < 1e-4
     assert body["device"] is None and all(s["gemm_us"] is None for s in body["schemes"])  # the CPU backend
+
+
+def test_quantization_report_of_tensors_that_do_not_multiply(client) -> None:
+    """A vector (as one row) and a type no kernel multiplies (IQ2_XXS, which gguf dequantizes) are compared too."""
+    for url in (f"/v1/models/{SMOL_ID}/tensors/blk.0.attn_norm.weight/quantization",
+                "/v1/models/demo/tensors/small.iq2_xxs.weight/quantization"):
+        r = client.get(url)
+        assert r.status_code == 200 and all(s["reason"] is None and s["nmse"] >= 0 for s in r.json()["schemes"])
 
 
 @pytest.mark.parametrize("query,status,code", [

@@ -27,7 +27,7 @@ from app.schemas import (
     MatmulResponse,
     WeightFormat,
 )
-from kernels.bnb4 import DEFAULT_BLOCKSIZE
+from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 from models.store import FileChanged, ModelStore, NotFound
 
 router = APIRouter(tags=["matmul"])
@@ -155,7 +155,8 @@ async def matmul(
     kernel: str = Query("auto", description=".npy bodies: the kernel (ignored for JSON bodies)",
                         json_schema_extra={"enum": KERNEL_NAMES}),
     weight_format: WeightFormat = Query("gguf", description=".npy bodies: " + WEIGHT_FORMAT_DOC),
-    blocksize: int = Query(DEFAULT_BLOCKSIZE, description=".npy bodies, nf4/fp4: values per absmax"),
+    blocksize: int = Query(DEFAULT_BLOCKSIZE, description=".npy bodies, nf4/fp4: values per absmax",
+                           json_schema_extra={"enum": list(BLOCKSIZES)}),
     double_quant: bool = Query(False, description=".npy bodies, nf4/fp4: 8-bit absmax values"),
 ) -> Response:
     """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor (as stored, or requantized: `weight_format`).

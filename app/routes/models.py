@@ -24,6 +24,7 @@ from app.schemas import (
     UnloadRequest,
     UnloadResponse,
 )
+from kernels.bnb4 import BLOCKSIZES
 from kernels.formats import format_of
 from models import inspect
 from models.store import Model, NotFound
@@ -129,8 +130,11 @@ MAX_COMPARE_M = 4  # batch sizes one report times
 async def tensor_quantization(
         request: Request, model_id: ModelId, name: TensorName,
         m: list[int] = Query([1], description=f"GPU: the batch sizes to time each scheme's product at (at most "
-                                              f"{MAX_COMPARE_M})"),
-        blocksize: int = Query(64, description="nf4/fp4: values per absmax"),
+                                              f"{MAX_COMPARE_M}, each at most QGEMM_MAX_ROWS)",
+                             json_schema_extra={"items": {"type": "integer", "minimum": 1, "maximum": 8192},
+                                                "minItems": 1, "maxItems": MAX_COMPARE_M}),
+        blocksize: int = Query(64, description="nf4/fp4: values per absmax",
+                               json_schema_extra={"enum": list(BLOCKSIZES)}),
         double_quant: bool = Query(False, description="nf4/fp4: 8-bit absmax values")) -> dict[str, Any]:
     """What each scheme does to this tensor: its values (the file's, dequantized: the reference) requantized to
     Q4_0, Q4_1, Q5_0, Q8_0 (gguf's quantizer) and bitsandbytes' NF4 and FP4; each one's NMSE, largest error and
@@ -139,8 +143,6 @@ async def tensor_quantization(
     info = model.tensors.get(name)
     if info is None:
         raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
-    if info.matmul_reason:
-        raise ApiError(422, "unsupported_tensor", info.matmul_reason)
     settings, engine = request.app.state.settings, request.app.state.engine
     if info.n_elements > settings.quant_compare_max_values:
         raise ApiError(422, "tensor_too_large", f"{name} has {info.n_elements} values; comparisons take tensors of "
@@ -156,7 +158,7 @@ async def tensor_quantization(
         cached = await run_in_threadpool(error_rows, model, info, blocksize, double_quant)
         cache.put(key, cached, 1)
     rows = [dict(r) for r in cached[0]]
-    if engine.cuda is not None:
+    if engine.cuda is not None and not info.matmul_reason:  # a vector's errors are reported, not timed
         await run_in_threadpool(time_schemes, engine, model, info, rows, cached[1], sorted(set(m)))
     return {"model": model.id, "tensor": name, "type": info.type_name, "shape": list(info.shape),
             "reference": f"the tensor's own values: gguf's dequantization of its {info.type_name} bytes",
