@@ -12,7 +12,7 @@ import numpy as np
 
 from kernels.bnb4 import DEFAULT_BLOCKSIZE
 from kernels.reference import dequantize_weights
-from kernels.requant import Scheme, compare, default_schemes
+from kernels.requant import Scheme, compare, default_schemes, row_head
 from models.store import Model, TensorInfo
 
 TIMING_RUNS = 7  # after one warm-up run: the median of these
@@ -35,8 +35,7 @@ def error_rows(model: Model, info: TensorInfo, blocksize: int = DEFAULT_BLOCKSIZ
     except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
         reason = f"{info.type_name} cannot be dequantized here ({type(exc).__name__}: {exc})"
         return [{**own, "nmse": None, "max_abs_error": None, "reason": reason},
-                *({"weight_format": s.format, "tag": s.tag, "blocksize": s.blocksize if s.format in ("nf4", "fp4")
-                   else None, "double_quant": s.double_quant, "reason": reason} for s in schemes)], schemes
+                *({**row_head(s), "reason": reason} for s in schemes)], schemes
 
 
 def time_schemes(engine: Any, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 from kernels.registry import known_names
+from kernels.requant import WEIGHT_FORMATS
 
 # The demo model (`qgemm fetch --demo-only`, always present) names every example, so that clients
 # generated from /openapi.json and schemathesis reach the real logic.
@@ -175,7 +176,7 @@ ACTIVATIONS_DOC = (
     "`product_out_of_range`.")
 
 
-WeightFormat = Literal["gguf", "q4_0", "q4_1", "q5_0", "q8_0", "nf4", "fp4"]
+WeightFormat = Literal[WEIGHT_FORMATS]  # type: ignore[valid-type]  # the one list: kernels/requant.py
 WEIGHT_FORMAT_DOC = ("the weights as stored (`gguf`), or the tensor's values requantized once at upload (cached like "
                      "any layout): to a GGUF block format with gguf's quantizer, or to bitsandbytes' NF4/FP4 "
                      "(blockwise absmax, its code books; `blocksize`, `double_quant`)")

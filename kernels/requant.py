@@ -86,14 +86,18 @@ def error_of(reference: np.ndarray, approx: np.ndarray) -> dict[str, float]:
             "max_abs_error": float(np.abs(diff).max()) if diff.size else 0.0}
 
 
+def row_head(s: Scheme) -> dict[str, Any]:
+    """What names a scheme in a comparison row."""
+    return {"weight_format": s.format, "tag": s.tag, "blocksize": s.blocksize if s.format in BNB4_TARGETS else None,
+            "double_quant": s.double_quant}
+
+
 def compare(values: np.ndarray, schemes: list[Scheme]) -> list[dict[str, Any]]:
     """Each scheme's requantization of the same values: its error against them and its bits per weight
     (schemes whose blocks do not fit the rows are reported with the reason instead)."""
     rows = []
     for s in schemes:
-        row: dict[str, Any] = {"weight_format": s.format, "tag": s.tag,
-                               "blocksize": s.blocksize if s.format in BNB4_TARGETS else None,
-                               "double_quant": s.double_quant}
+        row = row_head(s)
         reason = s.k_reason(values.shape[1])
         if reason is not None:
             rows.append({**row, "reason": reason})
