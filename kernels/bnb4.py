@@ -4,6 +4,10 @@ quantize_4bit: the tensor flattened, cut into blocks of `blocksize` values (32..
 each block's absmax = max |x| in float32, inv = 1.0f / absmax, and each value's code is the leaf of a
 comparison tree on x * inv (dQuantizeNF4 / dQuantizeFP4: the thresholds below, float32 literals), two
 codes a byte, the first in the high nibble.  An all-zero block has absmax 0, x * inv = NaN, code 0.
+bitsandbytes is built with --use_fast_math, so its 1.0f / absmax is rcp.approx.ftz.f32, which is not the
+rounded reciprocal: for 12% of mantissas it is an ulp away.  On real weights (dequantized GGUF values, small
+integers times a scale) x / absmax often lands exactly on an FP4 threshold (5/24, 7/24, 11/128), where that
+ulp decides the code; `rcp_approx` reproduces the instruction from a table captured on the GPU.
 dequantize_4bit: code_table[q] * absmax in float32.  Double quantization (compress_statistics) stores
 absmax - mean(absmax) in 8 bits: blockwise (256) with the signed dynamic map and the binary search
 of dQuantize, its own float32 absmax per 256; decoded as code8[q] * absmax2 + offset.
@@ -15,6 +19,8 @@ the result cast to T.  `gemv_4bit` below computes that in T = float16 or float32
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 import numpy as np
 
@@ -115,6 +121,32 @@ _DYNAMIC_HEX = (
 DYNAMIC_CODE = np.array([float.fromhex(h) for h in _DYNAMIC_HEX], dtype=F32)
 
 
+RCP_DATA = "rcp_approx_f32.npz"
+TINY = F32(2.0 ** -126)  # the smallest normal float32: under fast math, smaller inputs and results are zero
+
+
+@cache
+def _rcp_delta() -> np.ndarray:
+    """rcp.approx.ftz.f32(x) - RN(1 / x) in ulps for x in [1, 2), int8 [2^23] indexed by x's mantissa bits.
+    Captured on an NVIDIA H100 (2026-11-24) by a kernel built with --use_fast_math computing 1.0f / x for every
+    mantissa; the same run checked that the result only scales with x's exponent (2^-30..2^30)."""
+    with resources.files("kernels.data").joinpath(RCP_DATA).open("rb") as f:
+        return np.load(f)["delta"]
+
+
+def rcp_approx(x: np.ndarray) -> np.ndarray:
+    """1.0f / x as a --use_fast_math CUDA kernel computes it (rcp.approx.ftz.f32), float32: the rounded
+    reciprocal moved by its mantissa's captured delta; subnormal inputs count as zero (inf), subnormal results
+    are zero, zero gives inf, inf gives zero."""
+    x = np.asarray(x, F32)
+    with np.errstate(divide="ignore", over="ignore"):
+        rn = np.where(np.abs(x) < TINY, np.copysign(F32(np.inf), x), F32(1) / x).astype(F32)
+    moved = (rn.view(np.uint32).astype(np.int64) + _rcp_delta()[x.view(np.uint32) & 0x7FFFFF]).astype(np.uint32)
+    normal = np.isfinite(rn) & (np.abs(rn) >= TINY)
+    out = np.where(normal, moved.view(F32), rn)
+    return np.where(np.isfinite(rn) & (np.abs(rn) < TINY), np.copysign(F32(0), x), out).astype(F32)
+
+
 def _block_absmax(x: np.ndarray, blocksize: int) -> tuple[np.ndarray, np.ndarray]:
     """(x padded with zeros to whole blocks, [blocks, blocksize]; each block's max |x|, fmaxf's NaN rule)."""
     n = x.size
@@ -125,10 +157,15 @@ def _block_absmax(x: np.ndarray, blocksize: int) -> tuple[np.ndarray, np.ndarray
     return padded, np.fmax.reduce(np.abs(padded), axis=1).astype(F32)
 
 
+def _flush(v: np.ndarray) -> np.ndarray:
+    """Fast math's flush to zero: subnormals become a zero of their sign."""
+    return np.where(np.abs(v) < TINY, np.copysign(F32(0), v), v).astype(F32)
+
+
 def _scaled(padded: np.ndarray, absmax: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = F32(1) / absmax  # 1.0f / absmax, then a multiply: not a division per value
-        return (padded * inv[:, None]).astype(F32)
+    """x * (1.0f / absmax) per block as bitsandbytes' kernels compute it (a reciprocal, then a multiply)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _flush((_flush(padded) * rcp_approx(absmax)[:, None]).astype(F32))
 
 
 ENCODE_CHUNK = 1 << 18  # values compared at once: bounds the [values, thresholds] temporaries (~4 MiB)

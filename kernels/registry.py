@@ -171,10 +171,11 @@ for _spec in (
     _cuda("gemv_rows", "q8_1_mmvq", "split", "M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per "
           "weight row, several 16-byte loads in flight, dp4a) with each weight block reused for every activation row",
           min_cc=80, max_m=8, activation_layout="split", types=QUANT_TYPES),
-    _cuda("bnb4_gemv", "f32", "bnb4", "bitsandbytes' NF4/FP4 (weight_format nf4/fp4) for M <= 8: a warp per "
-          "weight row, each lane 8 values at a time (4-byte code loads, 8 in flight; a warp's activation loads "
-          "contiguous), the code book in shared memory, each word decoded once for every activation row, fp32 "
-          "activations and sums, times the block's absmax per 8 values",
+    _cuda("bnb4_gemv", "f32", "bnb4", "bitsandbytes' NF4/FP4 (weight_format nf4/fp4) for M <= 8. M = 1 (K a "
+          "multiple of 32, up to 16384): a persistent block per SM streams groups of 4 weight rows with the next "
+          "group's 16-byte code loads in flight, each thread's 32 activations in registers, a byte decoded by one "
+          "PRMT and an 8-byte lookup in a per-lane pair table; else a warp per weight row decoding each 4-byte "
+          "word once for every activation row. fp32 activations and sums, times the block's absmax",
           min_cc=70, max_m=8, types=BNB4_TYPES),
     _cuda("bnb4_dequant", "f32", "bnb4", "bitsandbytes' NF4/FP4 for any M as bitsandbytes runs it: the codes "
           "dequantized on the device per product (code * absmax, float32) and cuBLAS SGEMM; the weights stay 4-bit",

@@ -49,6 +49,24 @@ def test_packing_order_zero_blocks_and_blocks_over_rows() -> None:
     assert not np.any(bnb4.dequantize_4bit(t)[:, 2:])
 
 
+def test_rcp_approx_is_the_fast_math_reciprocal(rng: np.random.Generator) -> None:
+    """bitsandbytes' 1.0f / absmax under --use_fast_math: within an ulp of the rounded reciprocal, scaling with the
+    exponent, flushing subnormals; where x / absmax sits on an FP4 threshold, that ulp picks the code."""
+    x = rng.uniform(1e-3, 1e3, 100000).astype(np.float32)
+    r, rn = bnb4.rcp_approx(x), (np.float32(1) / x).astype(np.float32)
+    ulps = r.view(np.int32) - rn.view(np.int32)
+    assert set(np.unique(ulps).tolist()) <= {-1, 0, 1} and 0.05 < np.mean(ulps != 0) < 0.2
+    np.testing.assert_array_equal(bnb4.rcp_approx(x * np.float32(2.0**20)), r * np.float32(2.0**-20))
+    special = bnb4.rcp_approx(np.array([0, -0.0, 1e-40, np.inf, 1e38, 2.0, np.nan], np.float32))
+    assert special[:3].tolist() == [np.inf, -np.inf, np.inf] and special[3:6].tolist() == [0, 0, 0.5]
+    assert np.isnan(special[6])
+    # seen on the H100 against bitsandbytes 0.50.2 (SmolLM2's Q4_1 weights): x / absmax exactly 5/24 and -7/24
+    for absmax, value, code in [(0.474609375, 0.098876953125, 0b0111), (0.515625, -0.150390625, 0b1111)]:
+        w = np.zeros((1, 64), np.float32)
+        w[0, :2] = absmax, value
+        assert bnb4.quantize_4bit(w, "fp4", 64).codes()[1] == code
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("blocksize", [32, 64, 4096])
 def test_round_trip_error_and_double_quantization(rng: np.random.Generator, quant_type: str, blocksize: int) -> None:

@@ -33,14 +33,16 @@ def relative_error(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
 def test_bnb4_kernel_matches_reference(backend, rng: np.random.Generator, kernel: str, quant_type: str,  # noqa: F811
                                        blocksize: int, dq: bool) -> None:
     spec = KERNELS[kernel]
-    for m, n, k in [(1, 37, 352), (3, 129, 4160), (8, 64, 96), (17, 33, 1056)]:
+    # M = 1 with K % 32 == 0 and K <= 16384 runs the stream kernel (idle lanes, N under a row group, 448 threads)
+    for m, n, k in [(1, 37, 352), (1, 3, 1024), (1, 45, 14336), (1, 9, 16416), (3, 129, 4160), (8, 64, 96),
+                    (17, 33, 1056)]:
         if spec.can_run(quant_type.upper(), m, n, k, backend.cc):
             continue
         w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1)).astype(np.float32)
         w[rng.integers(0, n), :] = 0  # an all-zero row: zero blocks, absmax 0
         t = bnb4.quantize_4bit(w, quant_type, blocksize, dq)
         x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-        weights = Weights((f"bnb4 {kernel} {quant_type} {blocksize} {dq} {m}", "w"), quant_type.upper(), n, k,
+        weights = Weights((f"bnb4 {kernel} {quant_type} {blocksize} {dq} {m}x{n}x{k}", "w"), quant_type.upper(), n, k,
                           lambda t=t: t, f"{quant_type}-b{blocksize}{'-dq' if dq else ''}")
         y = backend.run(spec, weights, x, poison=True).output
         assert np.isfinite(y).all()
@@ -130,7 +132,7 @@ def test_gemv_matches_bitsandbytes_gemv_4bit(backend, rng: np.random.Generator, 
     (its float32 sums run in another order); with fp32 activations it and our bnb4_gemv agree to float32
     rounding (relative to the sum of |x_j w_j|)."""
     torch, F = _bnb()
-    for w in [(rng.standard_normal((257, 4096)) * 0.03).astype(np.float32), *real_matrices()]:
+    for i, w in enumerate([(rng.standard_normal((257, 4096)) * 0.03).astype(np.float32), *real_matrices()]):
         n, k = w.shape
         qb, state = F.quantize_4bit(torch.from_numpy(w).cuda(), blocksize=64, quant_type=quant_type)
         ours = bnb4.quantize_4bit(w, quant_type, 64)
@@ -145,7 +147,8 @@ def test_gemv_matches_bitsandbytes_gemv_4bit(backend, rng: np.random.Generator, 
                                                       float(bound[0, worst]))
         y32 = F.gemv_4bit(torch.from_numpy(x).cuda(), qb.t(), state=state).cpu().numpy()
         assert relative_error(y32, x, wd) < 2e-6
-        weights = Weights((f"bnb gemv {quant_type} {n}", "w"), quant_type.upper(), n, k, lambda t=ours: t, "b64")
+        # the backend caches uploads by key: one per matrix
+        weights = Weights((f"bnb gemv {quant_type} {i}", "w"), quant_type.upper(), n, k, lambda t=ours: t, "b64")
         mine = backend.run(KERNELS["bnb4_gemv"], weights, x, poison=True).output
         assert relative_error(mine, x, wd) < 2e-6
         assert float(np.max(np.abs(mine - y32) / sums)) < 4e-6

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import cupy
@@ -277,8 +277,26 @@ def _bnb4_args(t: str, w: dict, n: int, k: int) -> tuple[str, tuple]:
     return f"{t.lower()}{'_dq' if dq else ''}", args
 
 
+BNB4_STREAM_ROWS = 4  # bnb4.cu's BNB4_STREAM_ROWS: weight rows a block takes at a time
+BNB4_STREAM_SMEM = 256 * 32 * 8  # its per-lane pair tables
+
+
+@cache
+def _stream_grid_cap(fn: Any, threads: int, sm_count: int) -> int:
+    """Blocks of the persistent stream kernel the device holds at once (its resident-block limit times SMs)."""
+    fn.max_dynamic_shared_size_bytes = BNB4_STREAM_SMEM
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, BNB4_STREAM_SMEM)
+    return max(1, per_sm) * sm_count
+
+
 def _bnb4_gemv(mods: Any, t: str, w: dict, a: cupy.ndarray, y: cupy.ndarray, m: int, n: int, k: int) -> None:
     sfx, args = _bnb4_args(t, w, n, k)
+    if m == 1 and k % 32 == 0 and k // 32 <= 512:  # the stream kernel: a thread per 32-value column of K
+        fn = mods.function("bnb4.cu", f"gemv_bnb4_stream_{sfx}")
+        threads = 32 * cdiv(k // 32, 32)
+        grid = min(cdiv(n, BNB4_STREAM_ROWS), _stream_grid_cap(fn, threads, mods.sm_count))
+        fn((grid,), (threads,), (*args, a, y, I32(m), I32(n), I32(k)), shared_mem=BNB4_STREAM_SMEM)
+        return
     mr = next(r for r in (1, 2, 4, 8) if m <= r)
     mods.function("bnb4.cu", f"gemv_bnb4_{sfx}_{mr}")((cdiv(n, 8),), (256,), (*args, a, y, I32(m), I32(n), I32(k)))
 
