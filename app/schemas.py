@@ -119,6 +119,20 @@ class TensorDetail(TensorRow):
     stats_error: str | None = None
 
 
+class Histogram(BaseModel):
+    edges: list[float] = Field(description="bins + 1 ascending edges; the last bin includes its right edge")
+    counts: list[int]
+
+
+class TensorHistograms(BaseModel):
+    model: str
+    tensor: str
+    type: str
+    values: Histogram = Field(description="the dequantized values over [min, max]")
+    block_scales: Histogram | None = Field(description="each block's d (legacy formats) or each group's effective "
+                                           "scale (K-quants, IQ4, MXFP4); null for float tensors and vectors")
+
+
 class SchemeError(BaseModel):
     weight_format: str = Field(description="`gguf` (the tensor as stored: the reference) or the requantization")
     tag: str

@@ -120,3 +120,33 @@ def tensor_stats(t: TensorInfo, raw: np.ndarray, rows_per_chunk: int = 1024) -> 
     var = max(total_sq / count - mean * mean, 0.0)
     return {"min": lo, "max": hi, "mean": mean, "std": float(np.sqrt(var)),
             "zero_block_share": zero_blocks / blocks if blocks else 0.0, "n_values": count}
+
+
+def tensor_histograms(t: TensorInfo, raw: np.ndarray, lo: float, hi: float, bins: int,
+                      rows_per_chunk: int = 256) -> dict[str, Any]:
+    """Histograms of the dequantized values over [lo, hi] and of the block scales (legacy formats: each block's
+    d; grouped formats: each group's effective scale; float tensors: none), a chunk of rows at a time."""
+    from kernels.formats import format_of
+    from kernels.reference import BlockWeights, prepare_block_weights
+
+    qtype = GGMLQuantizationType[t.type_name]
+    rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
+    if not hi > lo:
+        lo, hi = lo - 0.5, hi + 0.5  # a constant tensor: one bin in the middle
+    edges = np.linspace(lo, hi, bins + 1)
+    counts = np.zeros(bins, np.int64)
+    fmt = format_of(t.type_name)
+    blocky = fmt is not None and not fmt.is_float and not fmt.bnb4 and raw.ndim > 1 and fmt.matmul
+    scales: list[np.ndarray] = []
+    for r0 in range(0, rows.shape[0], rows_per_chunk):
+        chunk = np.asarray(rows[r0:r0 + rows_per_chunk])
+        counts += np.histogram(quants.dequantize(chunk, qtype).reshape(-1), bins=edges)[0]
+        if blocky:
+            w = prepare_block_weights(t.type_name, chunk)
+            scales.append(np.asarray(w.d if isinstance(w, BlockWeights) else w.scale, np.float64).reshape(-1))
+    out: dict[str, Any] = {"values": {"edges": edges.tolist(), "counts": counts.tolist()}, "block_scales": None}
+    if scales:
+        s = np.concatenate(scales)
+        s_edges = np.linspace(float(s.min()), float(s.max()) if s.max() > s.min() else float(s.min()) + 1, bins + 1)
+        out["block_scales"] = {"edges": s_edges.tolist(), "counts": np.histogram(s, bins=s_edges)[0].tolist()}
+    return out

@@ -19,6 +19,7 @@ from app.schemas import (
     ModelList,
     QuantizationReport,
     TensorDetail,
+    TensorHistograms,
     TensorList,
     TensorName,
     UnloadRequest,
@@ -103,23 +104,51 @@ def list_tensors(request: Request, model_id: ModelId) -> dict[str, Any]:
 @router.get("/models/{model_id}/tensors/{name}", response_model=TensorDetail, operation_id="get_tensor",
             responses=errors(404, 409))
 def get_tensor(request: Request, model_id: ModelId, name: TensorName) -> dict[str, Any]:
-    model = _ok_model(request, model_id)
-    info = model.tensors.get(name)
-    if info is None:
-        raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
-    cache = request.app.state.stats_cache
-    key = (model.version_key, name)
-    stats, stats_error = cache.get(key), None
-    if stats is None:
-        try:
-            stats = inspect.tensor_stats(info, model.raw(name))
-            cache.put(key, stats, 1)
-        except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
-            stats_error = f"{type(exc).__name__}: {exc}"
+    model, info = _tensor(request, model_id, name)
+    stats, stats_error = None, None
+    try:
+        stats = _stats(request, model, name)
+    except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
+        stats_error = f"{type(exc).__name__}: {exc}"
     fmt = format_of(info.type_name)
     return {**inspect.tensor_row(info), "model": model.id, "n_elements": info.n_elements,
             "block_format": fmt.layout if fmt else None, "matmul_reason": info.matmul_reason,
             "stats": stats, "stats_error": stats_error}
+
+
+def _tensor(request: Request, model_id: str, name: str) -> tuple[Model, Any]:
+    model = _ok_model(request, model_id)
+    info = model.tensors.get(name)
+    if info is None:
+        raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
+    return model, info
+
+
+def _stats(request: Request, model: Model, name: str) -> dict[str, Any]:
+    """The tensor's statistics, computed once per file version (bounded cache of 64 tensors)."""
+    cache, key = request.app.state.stats_cache, (model.version_key, name)
+    stats = cache.get(key)
+    if stats is None:
+        stats = inspect.tensor_stats(model.tensors[name], model.raw(name))
+        cache.put(key, stats, 1)
+    return stats
+
+
+@router.get("/models/{model_id}/tensors/{name}/histogram", response_model=TensorHistograms,
+            operation_id="tensor_histogram", responses=errors(404, 409, 422))
+def tensor_histogram(request: Request, model_id: ModelId, name: TensorName,
+                     bins: int = Query(48, ge=4, le=256, description="bins of each histogram")) -> dict[str, Any]:
+    model, info = _tensor(request, model_id, name)
+    cache, key = request.app.state.stats_cache, (model.version_key, name, "histogram", bins)
+    hist = cache.get(key)
+    if hist is None:
+        try:
+            stats = _stats(request, model, name)
+            hist = inspect.tensor_histograms(info, model.raw(name), stats["min"], stats["max"], bins)
+        except (NotImplementedError, ValueError) as exc:
+            raise ApiError(422, "not_dequantizable", f"{info.type_name} values cannot be decoded here: {exc}") from exc
+        cache.put(key, hist, 1)
+    return {"model": model.id, "tensor": name, "type": info.type_name, **hist}
 
 
 MAX_COMPARE_M = 4  # batch sizes one report times
