@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.routing import Route
 
-from app import __version__, errors, openapi
+from app import __version__, errors, openapi, web
 from app.engine import Engine
 from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
@@ -69,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     v1.include_router(system.router)
     app.include_router(system.health_router)
     app.include_router(v1)
+    web.install(app)  # the pages (/, /ui/...) over the same /v1 API
     # the hot path first: the same handler as the documented POST /v1/matmul, minus FastAPI's solving
     app.router.routes.insert(0, Route("/v1/matmul", matmul.fast_matmul, methods=["POST"], include_in_schema=False))
     app.add_middleware(errors.Unhandled)  # innermost of ours: the metrics count its 500s

@@ -1,0 +1,313 @@
+// qgemm's pages: every figure comes from the public /v1 API (what a page shows, a script can fetch).
+// Data goes into the page as text nodes only (never as HTML).
+"use strict";
+
+const KEY = "qgemm.apiKey";  // sessionStorage: this tab only; never in a URL
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v; else if (k === "text") node.textContent = v; else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function showError(message) {
+  const p = document.getElementById("error");
+  p.textContent = message;
+  p.hidden = !message;
+}
+
+function askForKey() {
+  const form = document.getElementById("key-form");
+  form.hidden = false;
+  return new Promise((resolve) => {
+    form.addEventListener("submit", (e) => {
+      e.preventDefault();
+      sessionStorage.setItem(KEY, document.getElementById("api-key").value);
+      form.hidden = true;
+      resolve();
+    }, { once: true });
+  });
+}
+
+async function api(path, options = {}) {
+  for (;;) {
+    const headers = Object.assign({ Accept: "application/json" }, options.headers || {});
+    const key = sessionStorage.getItem(KEY);
+    if (key) headers.Authorization = `Bearer ${key}`;
+    const r = await fetch(path, Object.assign({}, options, { headers }));
+    if (r.status === 401) { sessionStorage.removeItem(KEY); await askForKey(); continue; }
+    const body = await r.json().catch(() => null);
+    if (!r.ok) {
+      const err = body && body.error ? `${body.error.code}: ${body.error.message}` : `HTTP ${r.status}`;
+      throw new Error(err);
+    }
+    return body;
+  }
+}
+
+const fmtBytes = (n) => {
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+};
+const fmtNum = (v) => (v === null || v === undefined ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3)
+  ? v.toExponential(3) : Number(v.toPrecision(5)).toString());
+const layerOf = (name) => { const m = /^blk\.(\d+)\./.exec(name); return m ? Number(m[1]) : -1; };
+
+// Horizontal bars (label, value) as SVG, with each bar's title for exact numbers.
+function bars(container, rows, format = fmtBytes) {
+  const w = 560, rowH = 18, labelW = 150, max = Math.max(...rows.map((r) => r[1]), 1);
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("viewBox", `0 0 ${w} ${rows.length * rowH + 4}`);
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", container.id.replace(/-/g, " "));
+  rows.forEach(([label, value], i) => {
+    const g = document.createElementNS(svg.namespaceURI, "g");
+    const t = document.createElementNS(svg.namespaceURI, "text");
+    t.setAttribute("x", 0); t.setAttribute("y", i * rowH + 13); t.textContent = label;
+    const r = document.createElementNS(svg.namespaceURI, "rect");
+    r.setAttribute("x", labelW); r.setAttribute("y", i * rowH + 3); r.setAttribute("height", rowH - 6);
+    r.setAttribute("width", Math.max(1, (w - labelW - 90) * value / max));
+    const v = document.createElementNS(svg.namespaceURI, "text");
+    v.setAttribute("x", labelW + (w - labelW - 90) * value / max + 4); v.setAttribute("y", i * rowH + 13);
+    v.textContent = format(value);
+    const title = document.createElementNS(svg.namespaceURI, "title");
+    title.textContent = `${label}: ${value}`;
+    g.append(title, t, r, v);
+    svg.append(g);
+  });
+  container.replaceChildren(svg);
+}
+
+// A histogram (edges, counts) as SVG columns.
+function histogram(container, h) {
+  const w = 480, hgt = 160, n = h.counts.length, max = Math.max(...h.counts, 1);
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("viewBox", `0 0 ${w} ${hgt + 20}`);
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", `histogram from ${fmtNum(h.edges[0])} to ${fmtNum(h.edges[n])}`);
+  h.counts.forEach((c, i) => {
+    const r = document.createElementNS(svg.namespaceURI, "rect");
+    const bh = hgt * c / max;
+    r.setAttribute("x", i * w / n); r.setAttribute("y", hgt - bh);
+    r.setAttribute("width", Math.max(1, w / n - 1)); r.setAttribute("height", bh);
+    const title = document.createElementNS(svg.namespaceURI, "title");
+    title.textContent = `[${fmtNum(h.edges[i])}, ${fmtNum(h.edges[i + 1])}): ${c}`;
+    r.append(title);
+    svg.append(r);
+  });
+  for (const [x, v, anchor] of [[0, h.edges[0], "start"], [w, h.edges[n], "end"]]) {
+    const t = document.createElementNS(svg.namespaceURI, "text");
+    t.setAttribute("x", x); t.setAttribute("y", hgt + 16); t.setAttribute("text-anchor", anchor);
+    t.textContent = fmtNum(v);
+    svg.append(t);
+  }
+  container.replaceChildren(svg);
+}
+
+function definitions(dl, entries) {
+  dl.replaceChildren(...entries.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", {}, v)]));
+}
+
+async function backendLine() {
+  const h = await api("/healthz");
+  document.getElementById("backend").textContent =
+    `backend ${h.backend}${h.device ? ` (${h.device})` : ""}, qgemm ${h.version}`;
+}
+
+const pages = {
+  async index() {
+    await backendLine();
+    const { models } = await api("/v1/models");
+    const tbody = document.querySelector("#models tbody");
+    for (const m of models) {
+      const link = el("a", { href: `/ui/models/${encodeURIComponent(m.id)}`, text: m.id });
+      const status = m.status === "ok" ? el("span", { text: "ok" }) : el("span", { class: "error", text: `error: ${m.error}` });
+      const row = el("tr", { "data-model": m.id }, el("td", {}, link), el("td", {}, status), el("td", { text: fmtBytes(m.size_bytes) }),
+        el("td", { text: m.architecture || "" }), el("td", { text: m.tensor_count }), el("td", { class: "mix", text: "" }));
+      tbody.append(row);
+      if (m.status === "ok") {
+        api(`/v1/models/${encodeURIComponent(m.id)}`).then((d) => {
+          row.querySelector(".mix").textContent = d.quant_mix ? d.quant_mix.summary : Object.keys(d.tensor_types).join(", ");
+        }).catch((e) => { row.querySelector(".mix").textContent = e.message; });
+      }
+    }
+  },
+
+  async model() {
+    const id = document.body.dataset.model;
+    const [d, { tensors }] = await Promise.all([api(`/v1/models/${encodeURIComponent(id)}`),
+      api(`/v1/models/${encodeURIComponent(id)}/tensors`)]);
+    document.getElementById("summary").textContent =
+      `${d.file}, ${fmtBytes(d.size_bytes)}, ${d.architecture || "no architecture"}, ${d.tensor_count} tensors` +
+      (d.quant_mix ? `; ${d.quant_mix.summary}` : "");
+    definitions(document.getElementById("header"), Object.entries(d.header || {}).map(([k, v]) => [k, String(v)]));
+    bars(document.getElementById("by-format"),
+      Object.entries(d.tensor_types).sort((a, b) => b[1].n_bytes - a[1].n_bytes).map(([t, s]) => [`${t} (${s.count})`, s.n_bytes]));
+    const perLayer = new Map();
+    for (const t of tensors) {
+      const l = layerOf(t.name), k = l < 0 ? "other" : `blk.${l}`;
+      perLayer.set(k, (perLayer.get(k) || 0) + t.n_bytes);
+    }
+    bars(document.getElementById("by-layer"), [...perLayer.entries()]);
+    definitions(document.getElementById("metadata"), Object.entries(d.metadata).map(([k, v]) => {
+      if (v && typeof v === "object" && v.type === "ARRAY") {  // summarised by the API: its length and first items
+        const more = el("details", {}, el("summary", { text: `${v.item_type} array of ${v.length}` }),
+          el("code", { text: JSON.stringify(v.first) + (v.length > v.first.length ? " …" : "") }));
+        return [k, more];
+      }
+      const s = typeof v === "string" ? v : JSON.stringify(v);
+      return [k, s.length > 200 ? el("details", {}, el("summary", { text: `${s.slice(0, 80)}…` }), el("code", { text: s })) : s];
+    }));
+    const rows = tensors.map((t) => ({ ...t, layer: layerOf(t.name), shapeText: t.shape.join(" × ") }));
+    const tbody = document.querySelector("#tensors tbody"), filter = document.getElementById("filter");
+    let sortKey = "layer", ascending = true;
+    const render = () => {
+      const q = filter.value.trim().toLowerCase();
+      const shown = rows.filter((t) => !q || t.name.toLowerCase().includes(q) || t.type.toLowerCase() === q ||
+        t.type.toLowerCase().includes(q) || t.shapeText.includes(q));
+      const key = sortKey === "shape" ? (t) => t.shape.reduce((a, b) => a * b, 1) : (t) => t[sortKey];
+      shown.sort((a, b) => (key(a) < key(b) ? -1 : key(a) > key(b) ? 1 : a.name < b.name ? -1 : 1) * (ascending ? 1 : -1));
+      tbody.replaceChildren(...shown.map((t) => el("tr", {},
+        el("td", { text: t.layer < 0 ? "" : t.layer }),
+        el("td", {}, el("a", { href: `/ui/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(t.name)}`, text: t.name })),
+        el("td", { text: t.type }), el("td", { text: t.shapeText }), el("td", { text: fmtBytes(t.n_bytes) }),
+        el("td", {}, t.matmul ? el("a", { href: `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(t.name)}`, text: "multiply" }) : ""))));
+      document.getElementById("count").textContent = `${shown.length} of ${rows.length}`;
+    };
+    filter.addEventListener("input", render);
+    for (const b of document.querySelectorAll("#tensors th button")) {
+      b.addEventListener("click", () => {
+        ascending = sortKey === b.dataset.key ? !ascending : true;
+        sortKey = b.dataset.key;
+        render();
+      });
+    }
+    render();
+  },
+
+  async tensor() {
+    const id = document.body.dataset.model, name = document.body.dataset.tensor;
+    const base = `/v1/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(name)}`;
+    const t = await api(base);
+    const s = t.stats;
+    definitions(document.getElementById("facts"), [["type", t.type], ["shape", t.shape.join(" × ")],
+      ["bytes", fmtBytes(t.n_bytes)], ["block format", t.block_format || "-"],
+      ["multiplies", t.matmul ? "yes" : `no: ${t.matmul_reason}`],
+      ...(s ? [["min / max", `${fmtNum(s.min)} / ${fmtNum(s.max)}`], ["mean ± std", `${fmtNum(s.mean)} ± ${fmtNum(s.std)}`],
+        ["all-zero blocks", `${(100 * s.zero_block_share).toFixed(2)}%`]] : [["statistics", t.stats_error || "-"]])]);
+    const tryLink = document.getElementById("try");
+    if (t.matmul) tryLink.href = `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(name)}`;
+    else tryLink.hidden = true;
+    if (!s) return;
+    const h = await api(`${base}/histogram?bins=48`);
+    histogram(document.getElementById("values"), h.values);
+    if (h.block_scales) histogram(document.getElementById("scales"), h.block_scales);
+    else document.getElementById("scales").textContent = "no block scales (a float tensor or a vector)";
+  },
+
+  async matmul() {
+    const params = new URLSearchParams(location.search);
+    const modelSel = document.getElementById("mm-model"), tensorSel = document.getElementById("mm-tensor");
+    const [{ models }, { kernels }] = await Promise.all([api("/v1/models"), api("/v1/kernels")]);
+    modelSel.replaceChildren(...models.filter((m) => m.status === "ok").map((m) => el("option", { value: m.id, text: m.id })));
+    if (params.get("model")) modelSel.value = params.get("model");
+    let rows = [];
+    const box = document.getElementById("mm-kernels");
+    const fillKernels = () => {
+      const t = rows.find((r) => r.name === tensorSel.value);
+      const fit = kernels.filter((k) => k.available && k.name !== "ref_f32" && (k.name === "auto" || !t || k.weight_types.includes(t.type)));
+      box.replaceChildren(box.querySelector("legend"), ...fit.map((k, i) =>
+        el("label", { title: k.description }, Object.assign(el("input", { type: "checkbox", value: k.name }), { checked: i < 2 }), ` ${k.name}`)));
+    };
+    const fillTensors = async () => {
+      ({ tensors: rows } = await api(`/v1/models/${encodeURIComponent(modelSel.value)}/tensors`));
+      rows = rows.filter((t) => t.matmul);
+      tensorSel.replaceChildren(...rows.map((t) => el("option", { value: t.name, text: `${t.name} (${t.type}, ${t.shape.join("×")})` })));
+      if (params.get("tensor") && rows.some((t) => t.name === params.get("tensor"))) tensorSel.value = params.get("tensor");
+      fillKernels();
+    };
+    modelSel.addEventListener("change", () => { params.delete("tensor"); fillTensors().catch((e) => showError(e.message)); });
+    tensorSel.addEventListener("change", fillKernels);
+    await fillTensors();
+    document.getElementById("mm").addEventListener("submit", (e) => {
+      e.preventDefault();
+      runMatmul(rows.find((r) => r.name === tensorSel.value)).catch((err) => showError(err.message));
+    });
+  },
+
+  async kernels() {
+    await backendLine();
+    const { kernels } = await api("/v1/kernels");
+    document.querySelector("#kernels tbody").replaceChildren(...kernels.map((k) => el("tr", {},
+      el("td", { text: k.name }), el("td", { text: k.backend }), el("td", { text: k.available ? "yes" : "no" }),
+      el("td", { text: k.weight_types.join(", ") }), el("td", { text: k.activation_format }),
+      el("td", { text: k.available ? k.description : `${k.reason} (${k.description})` }))));
+  },
+};
+
+// Seeded N(0, 1) values (mulberry32 + Box-Muller): the same seed gives the same activations in every browser.
+function randomRows(m, k, seed) {
+  let s = seed >>> 0;
+  const next = () => { s = (s + 0x6d2b79f5) >>> 0; let t = s; t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61); return ((t ^ (t >>> 14)) >>> 0) / 4294967296; };
+  const rows = [];
+  for (let i = 0; i < m; i++) {
+    const r = new Array(k);
+    for (let j = 0; j < k; j++) r[j] = Math.sqrt(-2 * Math.log(1 - next())) * Math.cos(2 * Math.PI * next());
+    rows.push(r);
+  }
+  return rows;
+}
+
+async function runMatmul(t) {
+  showError("");
+  const status = document.getElementById("mm-status");
+  const model = document.getElementById("mm-model").value;
+  const m = Number(document.getElementById("mm-m").value), k = t.shape[t.shape.length - 1];
+  const chosen = [...document.querySelectorAll("#mm-kernels input:checked")].map((i) => i.value);
+  if (!chosen.length) throw new Error("choose at least one kernel");
+  const source = document.querySelector("input[name=source]:checked").value;
+  let call;
+  if (source === "file") {
+    const file = document.getElementById("mm-file").files[0];
+    if (!file) throw new Error("choose a .npy file");
+    const body = await file.arrayBuffer();
+    call = (kernel) => api(`/v1/matmul?${new URLSearchParams({ model, tensor: t.name, kernel })}`,
+      { method: "POST", headers: { "Content-Type": "application/x-npy" }, body });
+  } else {
+    const activations = randomRows(m, k, Number(document.getElementById("mm-seed").value));
+    call = (kernel) => api("/v1/matmul", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model, tensor: t.name, kernel, activations }) });
+  }
+  status.textContent = "running the reference (ref_f32)…";
+  const ref = await call("ref_f32");
+  const refFlat = ref.output.flat(), energy = refFlat.reduce((a, v) => a + v * v, 0);
+  const tbody = document.querySelector("#mm-results tbody");
+  tbody.replaceChildren();
+  document.getElementById("mm-results").hidden = false;
+  for (const kernel of ["ref_f32", ...chosen]) {
+    status.textContent = `running ${kernel}…`;
+    const r = kernel === "ref_f32" ? ref : await call(kernel);
+    const flat = r.output.flat();
+    let se = 0, worst = 0;
+    flat.forEach((v, i) => { const d = v - refFlat[i]; se += d * d; worst = Math.max(worst, Math.abs(d)); });
+    const tm = r.timing_ms;
+    tbody.append(el("tr", { "data-kernel": kernel }, el("td", { text: r.kernel === kernel ? kernel : `${kernel} → ${r.kernel}` }),
+      el("td", { text: r.backend }), el("td", { text: r.activation_format }), el("td", { text: fmtNum(tm.quantize ?? 0) }),
+      el("td", { text: fmtNum(tm.gemm) }), el("td", { text: fmtNum(tm.total) }),
+      el("td", { class: "nmse", text: energy ? (se / energy).toExponential(2) : "-" }), el("td", { text: fmtNum(worst) }),
+      el("td", { class: "head", text: r.output[0].slice(0, 4).map(fmtNum).join(", ") + " …" })));
+  }
+  status.textContent = `${chosen.length} kernel(s) on ${t.name}, M = ${ref.shape[0]}`;
+}
+
+document.addEventListener("DOMContentLoaded", async () => {
+  if (document.body.dataset.needsKey === "yes" && !sessionStorage.getItem(KEY)) await askForKey();
+  const page = pages[document.body.dataset.page];
+  if (page) page().catch((e) => showError(e.message));
+});
