@@ -126,8 +126,9 @@ def tensor_histograms(t: TensorInfo, raw: np.ndarray, lo: float, hi: float, bins
                       rows_per_chunk: int = 256) -> dict[str, Any]:
     """Histograms of the dequantized values over [lo, hi] and of the block scales (legacy formats: each block's
     d; grouped formats: each group's effective scale; float tensors: none), a chunk of rows at a time."""
+    from kernels import groups
     from kernels.formats import format_of
-    from kernels.reference import BlockWeights, prepare_block_weights
+    from kernels.reference import block_fields
 
     qtype = GGMLQuantizationType[t.type_name]
     rows = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw.reshape(1, -1)
@@ -141,9 +142,9 @@ def tensor_histograms(t: TensorInfo, raw: np.ndarray, lo: float, hi: float, bins
     for r0 in range(0, rows.shape[0], rows_per_chunk):
         chunk = np.asarray(rows[r0:r0 + rows_per_chunk])
         counts += np.histogram(quants.dequantize(chunk, qtype).reshape(-1), bins=edges)[0]
-        if blocky:
-            w = prepare_block_weights(t.type_name, chunk)
-            scales.append(np.asarray(w.d if isinstance(w, BlockWeights) else w.scale, np.float64).reshape(-1))
+        if blocky:  # the scales alone: legacy blocks' d straight from the bytes, grouped formats decoded
+            d = groups.decode(t.type_name, chunk).scale if fmt.grouped else block_fields(t.type_name, chunk)[0][..., 0]
+            scales.append(np.asarray(d, np.float64).reshape(-1))
     out: dict[str, Any] = {"values": {"edges": edges.tolist(), "counts": counts.tolist()}, "block_scales": None}
     if scales:
         s = np.concatenate(scales)
