@@ -1,6 +1,8 @@
 """The pages in a real browser: Playwright driving Debian's Chromium (headless) against `qgemm serve` on
-loopback.  Each page loads without console errors, the tensor table filters, a product run from the page equals
-the API's, a broken model shows its error.  Skipped, with the reason, where Playwright or Chromium is missing;
+loopback.  Each page loads without console errors, the tensor table filters, folds by layer and sorts, a product
+run from the page equals the API's, a broken model shows its error; every page fits a phone's width; a person with
+only a keyboard gets from the model list to a product; with QGEMM_API_KEY set the page asks for the key and it
+never shows up in a URL or the server's log.  Skipped, with the reason, where Playwright or Chromium is missing;
 `.ci/run` installs both.  QGEMM_SCREENSHOTS=DIR also saves a screenshot of each page there (docs/web/)."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -34,14 +37,16 @@ SMOL = "SmolLM2-135M-Instruct.Q4_1"
 SHOTS = os.environ.get("QGEMM_SCREENSHOTS")
 
 
-@pytest.fixture(scope="module")
-def server(models_dir: Path) -> Iterator[str]:
+@contextmanager
+def serving(models_dir: Path, log: Path, **env: str) -> Iterator[str]:
+    """`qgemm serve` on a free loopback port, its output in `log`; yields the base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "QGEMM_MODELS_DIR": str(models_dir), "QGEMM_BACKEND": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "QGEMM_MODELS_DIR": str(models_dir), "QGEMM_BACKEND": "cpu", **env}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -51,11 +56,17 @@ def server(models_dir: Path) -> Iterator[str]:
             except httpx.HTTPError:
                 time.sleep(0.1)
         else:
-            pytest.fail("qgemm serve did not come up in 30 s")
+            pytest.fail(f"qgemm serve did not come up in 30 s: {log.read_text()[-2000:]}")
         yield base
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serving(models_dir, tmp_path_factory.mktemp("serve") / "log") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +77,28 @@ def browser() -> Iterator[object]:
         b.close()
 
 
-@pytest.fixture
-def page(browser: object) -> Iterator[object]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    pg = context.new_page()
+def open_page(browser: object, **context_options: object) -> object:
+    pg = browser.new_context(**context_options).new_page()
     pg.problems = []  # console errors and uncaught exceptions: every test ends with none
     pg.on("console", lambda m: pg.problems.append(m.text) if m.type == "error" else None)
     pg.on("pageerror", lambda e: pg.problems.append(str(e)))
+    return pg
+
+
+@pytest.fixture
+def page(browser: object) -> Iterator[object]:
+    pg = open_page(browser, viewport={"width": 1280, "height": 900})
     yield pg
-    context.close()
+    pg.context.close()
+
+
+def tab_to(pg: object, selector: str, limit: int = 80) -> None:
+    """Press Tab until the focused element matches `selector`, as a person with only a keyboard would."""
+    for _ in range(limit):
+        pg.keyboard.press("Tab")
+        if pg.evaluate("(s) => document.activeElement && document.activeElement.matches(s)", selector):
+            return
+    pytest.fail(f"{limit} Tabs never reached {selector}")
 
 
 def shot(pg: object, name: str) -> None:
@@ -94,29 +118,54 @@ def test_models_page_lists_every_model_and_broken_ones(server: str, page: object
     assert not page.problems, page.problems
 
 
-def test_model_page_filters_and_sorts_the_tensor_table(server: str, page: object) -> None:
+def test_model_page_filters_groups_and_sorts_the_tensor_table(server: str, page: object) -> None:
     page.goto(f"{server}/ui/models/{SMOL}")
-    page.wait_for_selector("#tensors tbody tr")
-    total = page.locator("#tensors tbody tr").count()
-    assert total == 272 and page.locator("#by-format svg").count() == 1 and page.locator("#by-layer svg").count() == 1
+    page.wait_for_selector("#tensors tbody tr.t")
+    tensors, groups = page.locator("#tensors tbody tr.t"), page.locator("#tensors tbody tr.group")
+    assert tensors.count() == 272 and groups.count() == 31  # 30 blocks and the tensors outside them
+    assert page.locator("#by-format svg").count() == 1 and page.locator("#by-layer svg").count() == 1
+    page.click('#tensors tr.group button[data-layer="0"]')  # fold blk.0
+    assert tensors.count() == 263 and page.get_attribute('button[data-layer="0"]', "aria-expanded") == "false"
+    page.click('#tensors tr.group button[data-layer="0"]')
+    assert tensors.count() == 272
     page.fill("#filter", "attn_q")
-    assert page.locator("#tensors tbody tr").count() == 30  # one per block
+    assert tensors.count() == 30 and groups.count() == 30  # one per block; the empty group is gone
     page.fill("#filter", "q8_0")
-    assert page.locator("#tensors tbody tr").count() == 1
+    assert tensors.count() == 1
     page.fill("#filter", "")
+    page.select_option("#min-bytes", "1048576")
+    assert tensors.count() == 1  # only token_embd (28.7 MiB) has a MiB or more
+    page.select_option("#min-bytes", "0")
+    page.uncheck("#grouped")
+    assert groups.count() == 0 and tensors.count() == 272
     page.click('#tensors th button[data-key="n_bytes"]')
     page.click('#tensors th button[data-key="n_bytes"]')  # descending: the largest first
-    assert "token_embd.weight" in page.locator("#tensors tbody tr").first.inner_text()
+    assert "token_embd.weight" in tensors.first.inner_text()
+    assert page.get_attribute('#tensors th:has(button[data-key="n_bytes"])', "aria-sort") == "descending"
     assert page.locator("#metadata details").count() >= 3  # the tokenizer's arrays, summarised
+    page.check("#grouped")
     shot(page, "model")
     assert not page.problems, page.problems
 
 
-def test_tensor_page_draws_its_histograms(server: str, page: object) -> None:
-    page.goto(f"{server}/ui/models/{SMOL}/tensors/blk.0.attn_q.weight")
+def test_tensor_page_draws_its_histograms_and_compares_schemes(server: str, page: object) -> None:
+    base = f"{SMOL}/tensors/blk.0.attn_q.weight"
+    page.goto(f"{server}/ui/models/{base}")
     page.wait_for_selector("#values svg")
     page.wait_for_selector("#scales svg")
     assert "Q4_1" in page.locator("#facts").inner_text()
+    page.wait_for_selector('#q-table tr[data-scheme="nf4-b64"]')  # small enough to compare without asking
+    report = httpx.get(f"{server}/v1/models/{base}/quantization").json()
+    shown = page.locator("#q-table tbody tr")
+    assert shown.count() == len(report["schemes"]) == 7
+    for q in report["schemes"]:
+        nmse = page.locator(f'#q-table tr[data-scheme="{q["tag"]}"] .nmse').inner_text()
+        assert float(nmse) == pytest.approx(q["nmse"], rel=1e-2, abs=0)
+    page.select_option("#q-blocksize", "256")
+    page.check("#q-dq")
+    page.click("#q-run")
+    page.wait_for_selector('#q-table tr[data-scheme="nf4-b256-dq"]')
+    assert "no GPU here" in page.locator("#q-status").inner_text()
     shot(page, "tensor")
     assert not page.problems, page.problems
 
@@ -151,3 +200,80 @@ def test_kernel_catalog(server: str, page: object) -> None:
     assert "ref_q8_1" in text and "mmq" in text
     shot(page, "kernels")
     assert not page.problems, page.problems
+
+
+@pytest.mark.parametrize("path", ["/", f"/ui/models/{SMOL}", f"/ui/models/{SMOL}/tensors/blk.0.attn_q.weight",
+                                  f"/ui/matmul?model={SMOL}&tensor=blk.0.attn_q.weight", "/ui/kernels"])
+def test_every_page_fits_a_phone(server: str, browser: object, path: str) -> None:
+    pg = open_page(browser, viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True,
+                   device_scale_factor=2)
+    try:
+        pg.goto(f"{server}{path}")
+        pg.wait_for_load_state("networkidle")
+        # wide tables scroll inside their own box; the page itself never scrolls sideways
+        assert pg.evaluate("document.documentElement.scrollWidth") <= 390
+        assert pg.evaluate("[...document.querySelectorAll('main > *, section > *')]"
+                           ".every((e) => e.getBoundingClientRect().right <= 390.5)")
+        if path.startswith("/ui/models/") and "/tensors/" not in path:
+            shot(pg, "model-phone")
+        assert not pg.problems, pg.problems
+    finally:
+        pg.context.close()
+
+
+def test_keyboard_alone_gets_from_the_model_list_to_a_product(server: str, page: object) -> None:
+    page.goto(f"{server}/")
+    page.wait_for_selector(f'#models tr[data-model="{SMOL}"]')
+    tab_to(page, f'a[href="/ui/models/{SMOL}"]')
+    page.keyboard.press("Enter")
+    page.wait_for_url(f"**/ui/models/{SMOL}")
+    page.wait_for_selector("#tensors tbody tr.t")
+    tab_to(page, "#filter")
+    page.keyboard.type("attn_v")
+    assert page.locator("#tensors tbody tr.t").count() == 30
+    tab_to(page, 'button[data-key="name"]')
+    page.keyboard.press("Enter")
+    assert page.get_attribute('#tensors th:has(button[data-key="name"])', "aria-sort") == "ascending"
+    tab_to(page, 'tr.group button[data-layer="1"]')
+    page.keyboard.press("Space")  # fold blk.1 from the keyboard; the focus stays on the table
+    assert page.locator("#tensors tbody tr.t").count() == 29
+    tab_to(page, 'a[href$="/tensors/blk.2.attn_v.weight"]')
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/tensors/blk.2.attn_v.weight")
+    page.wait_for_selector("#values svg")
+    tab_to(page, "#try")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/ui/matmul?*")
+    page.wait_for_selector("#mm-kernels input:checked")
+    tab_to(page, "#mm-run")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#mm-results tbody tr >> nth=2")  # the reference and the two kernels ticked first
+    assert "blk.2.attn_v.weight" in page.locator("#mm-status").inner_text()
+    assert not page.problems, page.problems
+
+
+def test_the_page_asks_for_the_key_and_never_leaks_it(models_dir: Path, browser: object, tmp_path: Path) -> None:
+    key, log = "page-key-9f3c2a7d1b", tmp_path / "serve.log"
+    with serving(models_dir, log, QGEMM_API_KEY=key, QGEMM_ACCESS_LOG="true") as base:
+        pg = open_page(browser, viewport={"width": 1280, "height": 900})
+        urls: list[str] = []
+        pg.on("request", lambda r: urls.append(r.url))
+        try:
+            pg.goto(f"{base}/")
+            pg.wait_for_selector("#key-form:not([hidden])")
+            pg.fill("#api-key", "wrong-key")
+            with pg.expect_response(lambda r: "/v1/" in r.url and r.status == 401):
+                pg.keyboard.press("Enter")
+            pg.wait_for_selector("#key-form:not([hidden])")  # asked again: the wrong key was dropped
+            pg.fill("#api-key", key)
+            pg.keyboard.press("Enter")
+            pg.wait_for_selector(f'#models tr[data-model="{SMOL}"] .mix:not(:empty)')
+            assert pg.input_value("#api-key") == ""  # not left in the form either
+            pg.click(f'a[href="/ui/models/{SMOL}"]')  # the next page of the same tab has it already
+            pg.wait_for_selector("#tensors tbody tr.t")
+            assert pg.locator("#key-form").is_hidden()
+        finally:
+            pg.context.close()
+    assert urls and not [u for u in urls if key in u]
+    text = log.read_text()
+    assert "GET /v1/models" in text and key not in text  # the access log has the requests, not the key

@@ -25,6 +25,11 @@ def test_pages_render_offline(client: TestClient, path: str) -> None:
     assert "http://" not in html and "https://" not in html  # no CDN: everything from this server
 
 
+def test_tensor_page_offers_bitsandbytes_blocksizes(client: TestClient) -> None:
+    html = client.get("/ui/models/demo/tensors/blk.0.attn_q.weight").text
+    assert "<option selected>64</option>" in html and "<option>4096</option>" in html  # the API's default is chosen
+
+
 def test_static_files_and_escaping(client: TestClient) -> None:
     for path, kind in [("/static/qgemm.js", "javascript"), ("/static/qgemm.css", "text/css")]:
         r = client.get(path)

@@ -12,6 +12,8 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
+
 HERE = Path(__file__).parent
 BENCH_PICTURE = HERE.parents[1] / "docs" / "benchmarks.png"  # the committed bench figure, in a source checkout
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -35,7 +37,8 @@ def model_page(request: Request, model_id: str) -> HTMLResponse:
 
 @router.get("/ui/models/{model_id}/tensors/{name}", response_class=HTMLResponse)
 def tensor_page(request: Request, model_id: str, name: str) -> HTMLResponse:
-    return _page(request, "tensor.html", name, model_id=model_id, tensor=name)
+    return _page(request, "tensor.html", name, model_id=model_id, tensor=name, blocksizes=BLOCKSIZES,
+                 default_blocksize=DEFAULT_BLOCKSIZE)
 
 
 @router.get("/ui/matmul", response_class=HTMLResponse)

@@ -25,7 +25,9 @@ function askForKey() {
   return new Promise((resolve) => {
     form.addEventListener("submit", (e) => {
       e.preventDefault();
-      sessionStorage.setItem(KEY, document.getElementById("api-key").value);
+      const input = document.getElementById("api-key");
+      sessionStorage.setItem(KEY, input.value);
+      input.value = "";  // the key lives in sessionStorage only, not in the form
       form.hidden = true;
       resolve();
     }, { once: true });
@@ -165,25 +167,46 @@ const pages = {
     }));
     const rows = tensors.map((t) => ({ ...t, layer: layerOf(t.name), shapeText: t.shape.join(" × ") }));
     const tbody = document.querySelector("#tensors tbody"), filter = document.getElementById("filter");
+    const grouped = document.getElementById("grouped"), minBytes = document.getElementById("min-bytes"), folded = new Set();
     let sortKey = "layer", ascending = true;
+    const tensorRow = (t) => el("tr", { class: "t" },
+      el("td", { text: t.layer < 0 ? "" : t.layer }),
+      el("td", {}, el("a", { href: `/ui/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(t.name)}`, text: t.name })),
+      el("td", { text: t.type }), el("td", { text: t.shapeText }), el("td", { text: fmtBytes(t.n_bytes) }),
+      el("td", {}, t.matmul ? el("a", { href: `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(t.name)}`, text: "multiply" }) : ""));
+    // A layer's heading row: a button folds or unfolds its tensors (keyboard: Tab to it, Enter or Space).
+    const groupRow = (layer, members) => {
+      const label = layer < 0 ? "outside the blocks" : `blk.${layer}`, open = !folded.has(layer);
+      const toggle = el("button", { type: "button", "aria-expanded": String(open), "data-layer": layer, text: `${open ? "▾" : "▸"} ${label}` });
+      toggle.addEventListener("click", () => { if (open) folded.add(layer); else folded.delete(layer); render(); });
+      return el("tr", { class: "group" }, el("th", { colspan: 6, scope: "rowgroup" }, toggle,
+        el("span", { class: "muted", text: ` ${members.length} tensors, ${fmtBytes(members.reduce((a, t) => a + t.n_bytes, 0))}` })));
+    };
     const render = () => {
-      const q = filter.value.trim().toLowerCase();
-      const shown = rows.filter((t) => !q || t.name.toLowerCase().includes(q) || t.type.toLowerCase() === q ||
-        t.type.toLowerCase().includes(q) || t.shapeText.includes(q));
+      const q = filter.value.trim().toLowerCase(), least = Number(minBytes.value);
+      const shown = rows.filter((t) => t.n_bytes >= least && (!q || t.name.toLowerCase().includes(q) ||
+        t.type.toLowerCase().includes(q) || t.shapeText.includes(q)));
       const key = sortKey === "shape" ? (t) => t.shape.reduce((a, b) => a * b, 1) : (t) => t[sortKey];
       shown.sort((a, b) => (key(a) < key(b) ? -1 : key(a) > key(b) ? 1 : a.name < b.name ? -1 : 1) * (ascending ? 1 : -1));
-      tbody.replaceChildren(...shown.map((t) => el("tr", {},
-        el("td", { text: t.layer < 0 ? "" : t.layer }),
-        el("td", {}, el("a", { href: `/ui/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(t.name)}`, text: t.name })),
-        el("td", { text: t.type }), el("td", { text: t.shapeText }), el("td", { text: fmtBytes(t.n_bytes) }),
-        el("td", {}, t.matmul ? el("a", { href: `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(t.name)}`, text: "multiply" }) : ""))));
+      if (grouped.checked) {  // the sort holds within each layer; layers in file order, the rest first
+        const groups = new Map([...new Set(rows.map((t) => t.layer))].sort((a, b) => a - b).map((l) => [l, []]));
+        for (const t of shown) groups.get(t.layer).push(t);
+        tbody.replaceChildren(...[...groups].filter(([, m]) => m.length).flatMap(([layer, members]) =>
+          [groupRow(layer, members), ...(folded.has(layer) ? [] : members.map(tensorRow))]));
+      } else {
+        tbody.replaceChildren(...shown.map(tensorRow));
+      }
       document.getElementById("count").textContent = `${shown.length} of ${rows.length}`;
     };
     filter.addEventListener("input", render);
+    grouped.addEventListener("change", render);
+    minBytes.addEventListener("change", render);
     for (const b of document.querySelectorAll("#tensors th button")) {
       b.addEventListener("click", () => {
         ascending = sortKey === b.dataset.key ? !ascending : true;
         sortKey = b.dataset.key;
+        for (const other of document.querySelectorAll("#tensors th")) other.removeAttribute("aria-sort");
+        b.parentElement.setAttribute("aria-sort", ascending ? "ascending" : "descending");
         render();
       });
     }
@@ -203,7 +226,10 @@ const pages = {
     const tryLink = document.getElementById("try");
     if (t.matmul) tryLink.href = `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(name)}`;
     else tryLink.hidden = true;
-    if (!s) return;
+    if (!s) { document.getElementById("quant").hidden = true; return; }
+    const form = document.getElementById("q-form");
+    form.addEventListener("submit", (e) => { e.preventDefault(); compareSchemes(base).catch((err) => showError(err.message)); });
+    if (t.n_elements <= AUTO_COMPARE_VALUES) form.requestSubmit();  // a second or less: shown without asking
     const h = await api(`${base}/histogram?bins=48`);
     histogram(document.getElementById("values"), h.values);
     if (h.block_scales) histogram(document.getElementById("scales"), h.block_scales);
@@ -249,6 +275,27 @@ const pages = {
       el("td", { text: k.available ? k.description : `${k.reason} (${k.description})` }))));
   },
 };
+
+const AUTO_COMPARE_VALUES = 1 << 22;  // the tensor page compares schemes by itself up to this size (~0.5 s on a CPU)
+
+// GET .../quantization: each scheme's bits, error against the stored values, and on a GPU its product's time.
+async function compareSchemes(base) {
+  const status = document.getElementById("q-status"), table = document.getElementById("q-table");
+  const query = new URLSearchParams({ blocksize: document.getElementById("q-blocksize").value,
+    double_quant: document.getElementById("q-dq").checked });
+  status.textContent = "requantizing…";
+  const r = await api(`${base}/quantization?${query}`);
+  table.querySelector("tbody").replaceChildren(...r.schemes.map((q) => {
+    const time = q.gemm_us && q.gemm_us["1"] !== undefined ? `${fmtNum(q.gemm_us["1"])} µs (${q.kernel["1"]})` : "";
+    const name = q.weight_format === "gguf" ? `${q.tag} (as stored)` : q.tag;
+    return el("tr", { "data-scheme": q.tag }, el("td", { text: name }),
+      ...(q.reason ? [el("td", { colspan: 4, class: "muted", text: q.reason })]
+        : [el("td", { text: fmtNum(q.bits_per_weight) }), el("td", { class: "nmse", text: q.nmse ? q.nmse.toExponential(2) : "0" }),
+          el("td", { text: fmtNum(q.max_abs_error) }), el("td", { text: time })]));
+  }));
+  table.hidden = false;
+  status.textContent = `against ${r.reference}` + (r.method ? `; times: ${r.method} on ${r.device}` : "; no GPU here, so no times");
+}
 
 // Seeded N(0, 1) values (mulberry32 + Box-Muller): the same seed gives the same activations in every browser.
 function randomRows(m, k, seed) {
