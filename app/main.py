@@ -6,7 +6,6 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.routing import Route
@@ -18,7 +17,7 @@ from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
 from app.settings import Settings
 from models.cache import ByteLRU
-from models.store import Model, ModelStore
+from models.store import ModelStore
 
 log = logging.getLogger("qgemm")
 
@@ -36,18 +35,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if m.status != "ok":
                 log.warning("model %s: %s", m.id, m.error)
         app.state.store, app.state.engine = store, engine
-        engine.scheduler.observe = metrics.observe_batch
-        metrics.track(engine.scheduler.depth, engine.cuda.memory if engine.cuda is not None else None)
+        for worker in engine.workers:
+            worker.scheduler.observe = metrics.observe_batch
+        metrics.track(engine.workers, engine.pools["cuda"])
         app.state.stats_cache = ByteLRU(64)  # counts entries: 64 tensors' statistics
-
-        def residency(model: Model) -> dict[str, Any]:
-            if engine.cuda is None:
-                return {"backend": "cpu", "n_bytes": 0, "tensors": []}
-            return engine.cuda.residency(model.version_key)
-
-        app.state.engine_residency = residency
         log.info("qgemm %s: backend %s (%s), models in %s", __version__, engine.backend,
-                 engine.device or engine.cuda_error, settings.models_dir)
+                 ", ".join(f"{w.label} {w.name}" for w in engine.pools[engine.backend]) or engine.cuda_error,
+                 settings.models_dir)
         try:
             yield
         finally:

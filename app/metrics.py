@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -34,12 +37,36 @@ class Metrics:
         self.batch_requests.observe(requests)
         self.batch_rows.observe(rows)
 
-    def track(self, queue_depth: Callable[[], int], resident: Callable[[], tuple[int, int]] | None) -> None:
-        """Gauges read when scraped."""
-        self.queue_depth.set_function(queue_depth)
-        if resident is not None:
-            self.resident_bytes.set_function(lambda: resident()[0])
-            self.gpu_budget_bytes.set_function(lambda: resident()[1])
+    def track(self, workers: Sequence[Any], gpus: Sequence[Any]) -> None:
+        """Gauges read when scraped: the totals, and each device's (a collector with a `device` label)."""
+        self.queue_depth.set_function(lambda: sum(w.scheduler.depth() for w in workers))
+        if gpus:
+            self.resident_bytes.set_function(lambda: sum(w.memory()[0] for w in gpus))
+            self.gpu_budget_bytes.set_function(lambda: sum(w.memory()[1] for w in gpus))
+        self.registry.register(DeviceCollector(workers))
+
+
+class DeviceCollector(Collector):
+    """Each device worker's queue, weights and products, labelled by device (cuda:0, cpu:0...)."""
+
+    def __init__(self, workers: Sequence[Any]):
+        self.workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        depth = GaugeMetricFamily("qgemm_device_queue_depth", "Requests (or chunks) waiting for this device",
+                                  labels=["device"])
+        held = GaugeMetricFamily("qgemm_device_resident_bytes", "Weight bytes this device holds (GPU: resident; "
+                                 "CPU: prepared)", labels=["device"])
+        budget = GaugeMetricFamily("qgemm_device_budget_bytes", "This device's weight budget", labels=["device"])
+        products = CounterMetricFamily("qgemm_device_products", "Products (batches) this device ran",
+                                       labels=["device"])
+        for w in self.workers:
+            used, total = w.memory()
+            depth.add_metric([w.label], w.scheduler.depth())
+            held.add_metric([w.label], used)
+            budget.add_metric([w.label], total)
+            products.add_metric([w.label], w.products)
+        yield from (depth, held, budget, products)
 
 
 class RequestMetrics:

@@ -61,6 +61,7 @@ class Answer:
     result: Result  # the (last) batch's result: backend, activation format, timing
     batch: dict[str, int]  # {"requests", "rows"} of the largest batch this request ran in (+ "chunks" if cut)
     queue_ms: float
+    devices: list[str] = field(default_factory=list)  # where it ran (several: a tensor split by rows)
 
 
 RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool], Awaitable[tuple[KernelSpec, Result]]]

@@ -35,12 +35,24 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class DeviceState(BaseModel):
+    device: str = Field(examples=["cuda:0"], description="`cuda:<ordinal>` or `cpu:<worker>`")
+    name: str
+    backend: Literal["cpu", "cuda"]
+    resident_bytes: int = Field(description="weight bytes it holds")
+    budget_bytes: int = Field(description="its weight budget (QGEMM_GPU_MEMORY_BYTES, or QGEMM_CPU_CACHE_BYTES)")
+    queue_depth: int = Field(description="requests (or chunks) waiting for it")
+    busy: bool
+    products: int = Field(description="products (batches) it ran since the start")
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     backend: Literal["cpu", "cuda"]
     device: str | None
     version: str
     compile_ms: float | None = None  # CUDA kernels compiled at start-up, not inside any request
+    devices: list[DeviceState] = Field(default_factory=list, description="each device worker: GPUs first")
 
 
 class ModelSummary(BaseModel):
@@ -64,14 +76,33 @@ class TypeSummary(BaseModel):
 
 class ResidentTensor(BaseModel):
     tensor: str
-    layout: str
+    layout: str = Field(description="the layout's name; `@rows<a>-<b>` (or `@<format>/rows<a>-<b>`): a block of rows of a split tensor")
     n_bytes: int
+    device: str = Field(examples=["cuda:0"])
+
+
+class PlacedPart(BaseModel):
+    device: str = Field(examples=["cuda:1"])
+    rows: list[int] = Field(description="[start, stop): the weight rows (output columns) this device holds")
+
+
+class Placed(BaseModel):
+    tensor: str
+    weight_format: str
+    how: Literal["first use", "single", "replicate", "split"] = Field(
+        description="`first use`: the device with the most free budget, or split across all when none holds it; "
+                    "the others: as POST .../load asked")
+    replicas: list[list[PlacedPart]] = Field(description="each replica's parts; a request runs on the least "
+                                                         "loaded replica, on all of its parts at once")
 
 
 class Residency(BaseModel):
     backend: Literal["cpu", "cuda"]
     n_bytes: int
-    tensors: list[ResidentTensor]
+    tensors: list[ResidentTensor] = Field(description="the weights each device holds now (GPU: resident; "
+                                                      "CPU: prepared)")
+    placements: list[Placed] = Field(default_factory=list, description="where tensors live on a server of several "
+                                                                       "devices")
 
 
 class QuantMix(BaseModel):
@@ -235,13 +266,22 @@ class MatmulResponse(BaseModel):
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]
     batch: BatchInfo
+    devices: list[str] = Field(description="the devices it ran on (several: a tensor split by rows)",
+                               examples=[["cuda:0"]])
 
 
 class LoadRequest(RequantFields):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"tensors": [DEMO_TENSOR]}]})
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"tensors": [DEMO_TENSOR]}, {"tensors": [DEMO_TENSOR], "devices": [0, 1], "placement": "split"}]})
     tensors: list[str] | None = Field(None, description="tensor names (default: every tensor that multiplies)")
     kernel: str | None = Field(None, description="upload in the layout this kernel reads (default: auto's)",
                                json_schema_extra={"enum": [*KERNEL_NAMES, None]})
+    devices: list[Annotated[int, Field(ge=0, le=1023)]] | None = Field(
+        None, max_length=64, description="the devices (CUDA ordinals, as /healthz names them) to put each tensor on "
+                                         "(default: every device with `placement`, else where first use would)")
+    placement: Literal["replicate", "split"] | None = Field(
+        None, description="`replicate`: a whole copy on each device (requests go to the least loaded); `split`: "
+                          "one copy cut by rows across them (a product runs on all at once)")
 
 
 class UnloadRequest(BaseModel):

@@ -38,6 +38,11 @@ class Settings(BaseModel):
     workers: int = Field(1, ge=1, le=64)
     # GET .../quantization requantizes a tensor six ways in host memory: tensors above this many values are refused
     quant_compare_max_values: int = Field(1 << 25, gt=0)
+    # the GPUs to serve on: "all" (every device CuPy sees) or CUDA ordinals "0,1"; one worker per device
+    devices: str | None = None
+    # CPU workers: 1; more make "fake devices" (each its own thread and cpu_cache_bytes) on which tensors are
+    # placed, replicated and split as on GPUs: placement and routing tested without a GPU
+    cpu_devices: int = Field(1, ge=1, le=64)
     dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
     @field_validator("api_key")

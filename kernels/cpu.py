@@ -65,9 +65,42 @@ class CpuBackend:
 
     def forget(self, version: Hashable) -> None:
         """Drop the prepared weights of a file version that is gone."""
-        for key in self.cache.keys():
-            if key[0][0] == version:  # type: ignore[index]
-                self.cache.pop(key)
+        self.unload(lambda key: key[0] == version)  # type: ignore[index]
+
+    def unload(self, match: Callable[[Hashable], bool]) -> int:
+        """Drop the prepared weights whose (file version, tensor) key matches; the bytes freed."""
+        freed = 0
+        for full, size in self.cache.sizes().items():
+            if match(full[0]):  # type: ignore[index]
+                self.cache.pop(full)
+                freed += size
+        return freed
+
+    def entries(self) -> list[tuple[Hashable, str, int]]:
+        """((file version, tensor), layout, bytes) of every prepared weight kept."""
+        return [(full[0], full[1], size) for full, size in self.cache.sizes().items()]  # type: ignore[index]
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes of prepared weights kept, the budget)."""
+        return self.cache.used, self.cache.budget
+
+    def prepare(self, kernel: str, w: Weights) -> int:
+        """Prepare (and keep, within the budget) the weights `kernel` reads, ahead of its first product; their bytes."""
+        value, _ = self._weights_for(kernel, w)
+        return int(getattr(value, "nbytes", 0))
+
+    def _weights_for(self, kernel: str, w: Weights) -> tuple[object, float]:
+        if kernel in ("ref_q8_1", "ref_mmq"):
+            return self._prepared(w, "blocks", lambda raw: reference.prepare_block_weights(w.type_name, raw),
+                                  lambda v: v.nbytes)  # type: ignore[attr-defined]
+        if kernel in FLOAT_ACTIVATIONS:
+            fmt, round_x = FLOAT_ACTIVATIONS[kernel]
+            return self._prepared(w, fmt, lambda raw: round_x(reference.dequantize_weights(w.type_name, raw)),
+                                  lambda v: v.nbytes)  # type: ignore[attr-defined]
+        if kernel == "ref_f16_mmvf":  # the stored halves as they are: nothing to prepare
+            raw = np.asarray(w.raw())
+            return raw.view(np.float16) if raw.dtype == np.uint8 else raw, 0.0
+        raise KeyError(f"the CPU backend has no kernel {kernel!r}")
 
     def _prepared(self, w: Weights, layout: str, make: Callable[[np.ndarray], object],
                   nbytes: Callable[[object], int]) -> tuple[object, float]:
@@ -82,34 +115,28 @@ class CpuBackend:
 
     def run(self, kernel: str, w: Weights, x: np.ndarray) -> Result:
         t_all = time.perf_counter()
+        prepared, prep = self._weights_for(kernel, w)
         if kernel in ("ref_q8_1", "ref_mmq"):
-            bw, prep = self._prepared(w, "blocks", lambda raw: reference.prepare_block_weights(w.type_name, raw),
-                                      lambda v: v.nbytes)  # type: ignore[attr-defined]
             mmq = kernel == "ref_mmq"
             t0 = time.perf_counter()
             a = reference.quantize_q8_1_mmq(x, mmq_ds_layout(w.type_name)) if mmq else reference.quantize_q8_1(x)
             tq = _ms(t0)
             t0 = time.perf_counter()
-            y = (reference.ref_mmq if mmq else reference.ref_q8_1)(bw, a)  # type: ignore[arg-type]
+            y = (reference.ref_mmq if mmq else reference.ref_q8_1)(prepared, a)  # type: ignore[arg-type]
             tg = _ms(t0)
             timing = {"weights": prep, "quantize": tq, "gemm": tg}
             res = Result(y, self.name, "q8_1_mmq" if mmq else "q8_1_mmvq", timing, a)
         elif kernel in FLOAT_ACTIVATIONS:
             fmt, round_x = FLOAT_ACTIVATIONS[kernel]
-            wf, prep = self._prepared(w, fmt, lambda raw: round_x(reference.dequantize_weights(w.type_name, raw)),
-                                      lambda v: v.nbytes)  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             xr = round_x(x)
             tq = _ms(t0)
             t0 = time.perf_counter()
-            y = reference.ref_f32(wf, xr)  # type: ignore[arg-type]
+            y = reference.ref_f32(prepared, xr)  # type: ignore[arg-type]
             res = Result(y, self.name, fmt, {"weights": prep, "quantize": tq, "gemm": _ms(t0)})
-        elif kernel == "ref_f16_mmvf":
+        else:  # ref_f16_mmvf
             t0 = time.perf_counter()
-            raw = np.asarray(w.raw())  # the stored halves as they are (or their bytes): nothing to prepare
-            y = reference.ref_f16_mmvf(raw.view(np.float16) if raw.dtype == np.uint8 else raw, x)
+            y = reference.ref_f16_mmvf(prepared, x)  # type: ignore[arg-type]
             res = Result(y, self.name, "f16_mmvf", {"weights": 0.0, "quantize": 0.0, "gemm": _ms(t0)})
-        else:
-            raise KeyError(f"the CPU backend has no kernel {kernel!r}")
         res.timing_ms["total"] = _ms(t_all)
         return res

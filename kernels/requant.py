@@ -57,6 +57,16 @@ class Scheme:
                 return f"{self.type_name} rows are whole blocks of {values} values; K={k} is not a multiple"
         return None
 
+    def split_reason(self, k: int) -> str | None:
+        """Why this scheme's storage of a [N, K] matrix cannot be cut by rows (each block of rows requantized
+        alone equals its rows of the whole), or None."""
+        if self.format in BNB4_TARGETS:
+            if self.double_quant:
+                return "double quantization's absmax offset is the mean over the whole tensor"
+            if k % self.blocksize:
+                return f"its blocks of {self.blocksize} values cross rows (K={k})"
+        return None
+
 
 def requantize(values: np.ndarray, scheme: Scheme) -> Any:
     """float32 [N, K] in the scheme's storage: GGUF block bytes uint8 [N, row_bytes], or a Bnb4Tensor."""

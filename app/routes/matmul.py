@@ -228,7 +228,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     headers = {"X-Qgemm-Kernel": answer.spec.name, "X-Qgemm-Backend": result.backend,
                "X-Qgemm-Activation-Format": result.activation_format,
                "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
-               "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}"}
+               "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}", "X-Qgemm-Devices": ",".join(answer.devices)}
     if NPY in (request.headers.get("accept") or "").lower():
         header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
         buf = bytearray(len(header) + y.size * 4)  # header and data written once, sent as they are
@@ -240,7 +240,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
             "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.spec.name,
             "weight_format": scheme.tag if scheme else "gguf",
             "activation_format": result.activation_format, "backend": result.backend, "timing_ms": timing,
-            "batch": batch}, option=orjson.OPT_SERIALIZE_NUMPY), JSON
+            "batch": batch, "devices": answer.devices}, option=orjson.OPT_SERIALIZE_NUMPY), JSON
     timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
     headers["Server-Timing"] = (server_timing(timing)
                                 + f', batch;desc="{batch["requests"]} requests, {batch["rows"]} rows"')

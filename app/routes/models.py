@@ -91,7 +91,7 @@ def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
             "metadata": inspect.metadata(model) if ok else {},
             "tensor_types": inspect.types_summary(model),
             "quant_mix": inspect.quant_mix(model) if ok else None,
-            "resident": request.app.state.engine_residency(model)}
+            "resident": request.app.state.engine.residency(model)}
 
 
 @router.get("/models/{model_id}/tensors", response_model=TensorList, operation_id="list_tensors",
@@ -199,11 +199,17 @@ async def tensor_quantization(
 async def load_model(request: Request, model_id: ModelId,
                      body: LoadRequest | None = Body(None, description="optional: all matmul tensors when absent or "
                                                                        "null")) -> dict[str, Any]:
-    """Upload a model's matmul tensors (or the named ones) to the GPU, ahead of the first request."""
+    """Upload a model's matmul tensors (or the named ones) to the GPU, ahead of the first request: where
+    `devices` and `placement` say (a copy on each device, or one copy split by rows across them), else each
+    on the device with the most free budget (split across all when none holds it)."""
     model = _readable(await _model_now(request, model_id))
     engine = request.app.state.engine
-    if engine.cuda is None:
+    backend = engine.backend
+    if engine.cuda is None and len(engine.pools["cpu"]) == 1:
         raise ApiError(409, "no_gpu", f"this server runs on the CPU backend ({engine.cuda_error}); nothing to load")
+    devices = [engine.worker_named(backend, d) for d in body.devices] if body and body.devices else None
+    if devices is not None and len(set(devices)) != len(devices):
+        raise ApiError(422, "bad_device", "devices names a device twice")
     names = body.tensors if body and body.tensors else [t.name for t in model.tensors.values() if t.matmul]
     infos = []
     for n in names:
@@ -214,8 +220,9 @@ async def load_model(request: Request, model_id: ModelId,
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
         infos.append(info)
     scheme = scheme_of(body.weight_format, body.blocksize, body.double_quant) if body else None
-    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None, scheme)
-    return {"model": model.id, "loaded": loaded, "resident": request.app.state.engine_residency(model)}
+    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None, scheme, devices,
+                                     body.placement if body else None, backend)
+    return {"model": model.id, "loaded": loaded, "resident": engine.residency(model)}
 
 
 @router.post("/models/{model_id}/unload", response_model=UnloadResponse, operation_id="unload_model",
@@ -223,9 +230,9 @@ async def load_model(request: Request, model_id: ModelId,
 async def unload_model(request: Request, model_id: ModelId,
                        body: UnloadRequest | None = Body(None, description="optional: all of the model's tensors "
                                                                            "when absent or null")) -> dict[str, Any]:
-    """Free a model's weights (or the named tensors') from the GPU."""
+    """Free a model's weights (or the named tensors') from every device, and forget where they were placed."""
     model = await _model_now(request, model_id)
     engine = request.app.state.engine
     names = set(body.tensors) if body and body.tensors else None
-    freed = engine.cuda.unload(model.version_key, names) if engine.cuda is not None else 0
-    return {"model": model.id, "freed_bytes": freed, "resident": request.app.state.engine_residency(model)}
+    freed = await run_in_threadpool(engine.unload, model, names)
+    return {"model": model.id, "freed_bytes": freed, "resident": engine.residency(model)}

@@ -18,7 +18,8 @@ router = APIRouter(tags=["system"])
 def healthz(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
     return {"status": "ok", "backend": engine.backend, "device": engine.device, "version": __version__,
-            "compile_ms": engine.cuda.compile_ms if engine.cuda is not None else None}
+            "compile_ms": engine.cuda.compile_ms if engine.cuda is not None else None,
+            "devices": [w.state() for w in engine.workers]}
 
 
 @router.get("/kernels", response_model=KernelList, operation_id="list_kernels")
@@ -28,7 +29,9 @@ def kernels(request: Request) -> dict[str, Any]:
 
 METRICS_DOC = ("Prometheus text exposition: qgemm_http_requests_total, qgemm_http_request_seconds, "
                "qgemm_batch_requests, qgemm_batch_rows, qgemm_queue_depth, qgemm_gpu_resident_bytes, "
-               "qgemm_gpu_budget_bytes")
+               "qgemm_gpu_budget_bytes (all devices together); per device (label `device`): "
+               "qgemm_device_queue_depth, qgemm_device_resident_bytes, qgemm_device_budget_bytes, "
+               "qgemm_device_products_total")
 
 
 @health_router.get("/metrics", operation_id="metrics", response_class=Response, responses={

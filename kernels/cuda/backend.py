@@ -1,5 +1,7 @@
-"""The CUDA backend: one GPU worker thread that owns the stream, the compiled modules and the
-resident weights, so that concurrent requests never race on device state.
+"""The CUDA backend of one GPU: a worker thread that owns the device's stream, compiled modules and
+resident weights, so that concurrent requests never race on device state.  A host with several GPUs runs
+one of these per device (app/workers.py); calls from other threads (the event loop's launches) enter
+the device's context first.
 
 A request is: weights from the resident store (uploaded on first use), activations uploaded,
 quantized to Q8_1 on the device (or cast for the fp16/fp32 kernels), the GEMM, the download; each
@@ -65,25 +67,30 @@ class Pending:
     layout: str = ""  # the activations' layout (Q8_1 kernels)
 
 
-def cuda_device_present() -> bool:
+def cuda_device_count() -> int:
     try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
-        return False
+        return 0
+
+
+def cuda_device_present() -> bool:
+    return cuda_device_count() > 0
 
 
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, settings: Options, sources: tuple[str, ...] = SOURCES):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qgemm-gpu")
+    def __init__(self, settings: Options, sources: tuple[str, ...] = SOURCES, device: int = 0):
+        self.device_id = device
+        self._device = cupy.cuda.Device(device)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"qgemm-gpu{device}")
         self._closed = threading.Event()
         self._call(lambda: self._start(settings, sources))
 
     def _start(self, settings: Options, sources: tuple[str, ...]) -> None:
-        dev = cupy.cuda.Device(0)
-        dev.use()
-        props = cupy.cuda.runtime.getDeviceProperties(0)
+        self._device.use()  # the worker thread's device, for good
+        props = cupy.cuda.runtime.getDeviceProperties(self.device_id)
         name = props["name"]
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.cc = int(props["major"]) * 10 + int(props["minor"])
@@ -99,8 +106,8 @@ class CudaBackend:
         self.modules = Modules(self.cc, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
-        log.info("CUDA: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_name, self.cc,
-                 self.modules.compile_ms, budget >> 20)
+        log.info("CUDA %d: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_id,
+                 self.device_name, self.cc, self.modules.compile_ms, budget >> 20)
 
     # -- the worker thread ----------------------------------------------------------------------
     def _call(self, fn: Callable[[], R]) -> R:
@@ -213,6 +220,10 @@ class CudaBackend:
     def launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool = False) -> Pending:
         """Enqueue a product on the stream (copies in, quantize, GEMM, copy out) and return at once;
         `events[4]` completes with it.  One product at a time: the staging buffers are its own."""
+        with self._device:  # a no-op on the worker thread; the event loop's thread may be on another device
+            return self._launch(spec, w, parts, poison)
+
+    def _launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool) -> Pending:
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
         x_h = self.staging.array("x", (m, k), np.float32)
         row = 0
@@ -253,7 +264,7 @@ class CudaBackend:
         ev = self.events
         q8_1 = None
         if keep_q8_1 and pending.spec.quantizes:
-            with self.stream:
+            with self._device, self.stream:
                 q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k, pending.layout)
         y = pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
