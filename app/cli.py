@@ -47,6 +47,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     path, wrote = ensure_demo(settings.models_dir)
     if wrote:
         print(f"wrote the demo model: {path}")
+    if args.ray:
+        return serve_on_ray(settings, args.replicas)
     # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
     options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
                                    loop="uvloop", http="httptools", access_log=settings.access_log)
@@ -54,6 +56,30 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         uvicorn.run("app.main:create_app", factory=True, workers=settings.workers, **options)
     else:
         uvicorn.run(create_app(settings), **options)
+    return 0
+
+
+def serve_on_ray(settings: Settings, replicas: int | None) -> int:
+    """Ray Serve: joins the Ray cluster this machine is part of (`ray start`, or RAY_ADDRESS), else starts a
+    local one; one replica per GPU (autoscaled, or `replicas` of them); QGEMM_* travel to the replicas."""
+    import os
+
+    import ray
+    from ray import serve
+
+    from app.ray_serve import app
+
+    ray.init()
+    gpus = ray.cluster_resources().get("GPU", 0)
+    env = {k: v for k, v in os.environ.items() if k.startswith("QGEMM_")}
+    env["QGEMM_MODELS_DIR"] = str(settings.models_dir.resolve())
+    if not gpus:
+        env.setdefault("QGEMM_BACKEND", "cpu")
+    options: dict[str, Any] = {"num_gpus": 1 if gpus else 0, "env": env}
+    if replicas:
+        options["num_replicas"] = replicas
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(app(**options), name="qgemm", route_prefix="/", blocking=True)
     return 0
 
 
@@ -201,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-only", action="store_true", help="write the demo model only (no network)")
     p.add_argument("--model", action="append", choices=["smollm2", "gemma3-q4_k_m"],
                    help="a real model to fetch (repeatable; default: every one)")
-    p = sub.add_parser("serve", help="serve the HTTP API with uvicorn")
+    p = sub.add_parser("serve", help="serve the HTTP API with uvicorn (or Ray Serve: --ray)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--ray", action="store_true", help="serve through Ray Serve: one replica per GPU of the Ray "
+                   "cluster (joined, or started here), autoscaled (needs the ray extra)")
+    p.add_argument("--replicas", type=int, default=None, help="--ray: this many replicas instead of autoscaling")
     p = sub.add_parser("inspect", help="summarise a GGUF file")
     p.add_argument("file")
     p.add_argument("--json", action="store_true")

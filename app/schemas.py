@@ -76,7 +76,8 @@ class TypeSummary(BaseModel):
 
 class ResidentTensor(BaseModel):
     tensor: str
-    layout: str = Field(description="the layout's name; `@rows<a>-<b>` (or `@<format>/rows<a>-<b>`): a block of rows of a split tensor")
+    layout: str = Field(description="the layout's name; `@rows<a>-<b>` (or `@<format>/rows<a>-<b>`): a block of "
+                                    "rows of a split tensor")
     n_bytes: int
     device: str = Field(examples=["cuda:0"])
 

@@ -501,7 +501,8 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
     with make_client(gpu_models_dir, backend="cuda") as c:
         engine = c.app.state.engine
         ran: list[tuple[object, list[np.ndarray], np.ndarray]] = []
-        run_batch = engine.scheduler.run_batch
+        scheduler = engine.pools["cuda"][0].scheduler
+        run_batch = scheduler.run_batch
 
         async def recording(context, spec, parts, alone=False):
             if alone:  # hold the device a little, so that the others queue behind it and batch
@@ -510,7 +511,7 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
             ran.append((spec_ran, [p.copy() for p in parts], result.output.copy()))
             return spec_ran, result
 
-        engine.scheduler.run_batch = recording
+        scheduler.run_batch = recording
         xs = [np.random.default_rng(stream_seed(f"batched {kernel} {i}")).standard_normal((1 + i % 2, k))
               .astype(np.float32) for i in range(16)]
 
