@@ -104,6 +104,7 @@ def test_a_replica_stopped_gracefully_loses_no_request(cluster: str, models_dir:
         stop.set()
         for t in threads:
             t.join()
+    print("statuses while a replica was stopped gracefully:", {s: statuses.count(s) for s in set(statuses)})
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
     replicas = {_post(cluster, x).headers["x-qgemm-replica"] for _ in range(8)}
     assert len(replicas) == 1
@@ -140,3 +141,20 @@ def test_a_killed_replica_fails_cleanly_and_the_service_recovers(cluster: str, r
         time.sleep(1)
     else:
         pytest.fail("Serve did not bring the killed replica back in 60 s")
+
+
+def test_the_shipped_serve_config_is_valid() -> None:
+    """app/ray_serve.yaml (for `serve run`) passes Serve's own schema and builds the application it names."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from app.ray_serve import app
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "app" / "ray_serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    entry = schema.applications[0]
+    assert entry.import_path == "app.ray_serve:app" and entry.deployments[0].name == "Qgemm"
+    assert app(entry.args) is not None
+    with pytest.raises(ValueError, match="unknown options"):
+        app({"replicas": 2})
