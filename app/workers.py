@@ -68,7 +68,7 @@ class Worker:
     def unload(self, match: Callable[[Hashable], bool]) -> int:
         """Free the weights whose (file version, tensor) key matches, after the product in flight."""
         if self.cuda is not None:
-            return self.cuda._call(lambda: self.cuda.resident.unload(match))
+            return self.cuda.unload(match)
         return self._thread.submit(self.cpu.unload, match).result()  # type: ignore[union-attr]
 
     def forget(self, version_key: Hashable) -> None:

@@ -162,10 +162,9 @@ class CudaBackend:
             return sum(int(a.nbytes) for a in arrays.values())
         return self._call(run)
 
-    def unload(self, version_key: Hashable, tensors: set[str] | None) -> int:
-        def match(key: Hashable) -> bool:
-            vk, name = key  # type: ignore[misc]
-            return vk == version_key and (tensors is None or name in tensors)
+    def unload(self, match: Callable[[Hashable], bool]) -> int:
+        """Free the resident weights whose (file version, tensor) key matches, after the product in flight;
+        the bytes freed."""
         return self._call(lambda: self.resident.unload(match))
 
     def forget(self, version_key: Hashable) -> None:
@@ -177,11 +176,6 @@ class CudaBackend:
     def memory(self) -> tuple[int, int]:
         """(weight bytes resident, the budget)."""
         return sum(size for _, _, size in self.resident.entries()), self.resident.budget
-
-    def residency(self, version_key: Hashable) -> dict[str, Any]:
-        rows = [{"tensor": key[1], "layout": layout, "n_bytes": size}  # type: ignore[index]
-                for key, layout, size in self.resident.entries() if key[0] == version_key]  # type: ignore[index]
-        return {"backend": "cuda", "n_bytes": sum(r["n_bytes"] for r in rows), "tensors": rows}
 
     # -- a matmul ---------------------------------------------------------------------------------
     def run(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
