@@ -62,6 +62,10 @@ def weight_bytes(info: TensorInfo) -> int:
     return n * (k // fmt.block_values) * fmt.block_bytes
 
 
+class BadDevices(RuntimeError):
+    """QGEMM_DEVICES names devices that are not there: a configuration error, never a fall-back to the CPU."""
+
+
 def parse_devices(spec: str | None, count: int) -> list[int]:
     """QGEMM_DEVICES ("all", or CUDA ordinals "0,1") as a list of ordinals, each checked against `count`."""
     if spec is None or spec.strip().lower() in ("", "all"):
@@ -69,10 +73,10 @@ def parse_devices(spec: str | None, count: int) -> list[int]:
     try:
         devices = [int(d) for d in spec.replace(" ", "").split(",") if d]
     except ValueError:
-        raise RuntimeError(f"QGEMM_DEVICES={spec!r}: give CUDA ordinals like 0,1 or 'all'") from None
+        raise BadDevices(f"QGEMM_DEVICES={spec!r}: give CUDA ordinals like 0,1 or 'all'") from None
     bad = [d for d in devices if not 0 <= d < count]
     if bad or not devices or len(set(devices)) != len(devices):
-        raise RuntimeError(f"QGEMM_DEVICES={spec!r}: CuPy sees {count} device(s) (0..{count - 1}), each named once")
+        raise BadDevices(f"QGEMM_DEVICES={spec!r}: CuPy sees {count} device(s) (0..{count - 1}), each named once")
     return devices
 
 
@@ -117,6 +121,10 @@ class Engine:
                     self.cuda_error = "CuPy sees no CUDA device"
             except ImportError as exc:
                 self.cuda_error = f"CuPy is not installed ({exc.name}); install the .[cuda] extra"
+            except BadDevices:
+                for w in self.pools["cuda"] + self.pools["cpu"]:
+                    w.close()
+                raise
             except Exception as exc:  # a broken driver must not stop the CPU service in auto mode
                 for w in self.pools["cuda"]:
                     w.close()
