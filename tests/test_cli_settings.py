@@ -46,7 +46,7 @@ def test_serve_with_workers_runs_the_app_factory_per_process(monkeypatch: pytest
 
     calls: list[tuple[object, dict]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
-    args = argparse.Namespace(host=None, port=8123)
+    args = argparse.Namespace(host=None, port=8123, ray=False, replicas=None)
     for workers in (3, 1):
         monkeypatch.setenv("QGEMM_WORKERS", str(workers))
         assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu")) == 0
