@@ -102,6 +102,7 @@ class Engine:
             for i in range(settings.cpu_devices)], "cuda": []}
         self.placements = {"cpu": Placements(), "cuda": Placements()}
         self.cuda: Any = None  # the first GPU's backend: it answers the registry's questions (all GPUs alike)
+        self.outputs: Any = None  # pinned host arrays for large GPU outputs (kernels/cuda/host_memory.py)
         self.cuda_error: str | None = None
         if settings.backend in ("auto", "cuda"):
             try:
@@ -114,6 +115,9 @@ class Engine:
                                                          settings.batch_max_rows, settings.batch_wait_us,
                                                          cuda=CudaBackend(settings, device=i)))
                     self.cuda = self.pools["cuda"][0].cuda
+                    from kernels.cuda.host_memory import PinnedOutputs
+
+                    self.outputs = PinnedOutputs(settings.pinned_output_bytes)
                     if len({w.cuda.cc for w in self.pools["cuda"]}) > 1:
                         log.warning("QGEMM_DEVICES mixes compute capabilities; kernels are chosen for %s",
                                     self.cuda.device_name)
@@ -231,12 +235,13 @@ class Engine:
                                               f"K must be {kw}")
 
     @staticmethod
-    async def _on_loop(cuda: Any, spec: KernelSpec, w: Weights, parts: list[np.ndarray]) -> Result | None:
+    async def _on_loop(cuda: Any, spec: KernelSpec, w: Weights, parts: list[np.ndarray],
+                       outs: list[np.ndarray | None] | None = None) -> Result | None:
         """A small product on resident weights, launched from the event loop (launches are asynchronous,
         and a thread round trip costs more than the product) and awaited by polling its last event;
         None if it could not launch (the worker thread then runs it, with its out-of-memory retry)."""
         try:
-            pending = cuda.launch(spec, w, parts)
+            pending = cuda.launch(spec, w, parts, outs=outs)
         except Exception as exc:
             log.debug("launch on the event loop failed (%s); the worker thread runs it", exc)
             return None
@@ -351,14 +356,16 @@ class Engine:
         else:
             found = self.placement_of(backend, model, info, scheme, eff)
             replica = self.placements[backend].pick(found, lambda d: pool[d].load())
+        # a large output is written by the GPU into pinned memory of its own: no copy, no join of a split's blocks
+        out = self.outputs.array((x32.shape[0], eff.shape[0])) if backend == "cuda" and self.outputs else None
         if len(replica) == 1 and replica[0].rows == info.shape[0]:
             job = Job(model, info, scheme, eff, None)
             answer = await pool[replica[0].device].scheduler.submit(
-                key, job, x32, spec, lambda rows: self.choose("auto", eff, rows))
+                key, job, x32, spec, lambda rows: self.choose("auto", eff, rows), out)
             answer.devices = [pool[replica[0].device].label]
         else:
-            answer = await self._split(pool, replica, key, model, info, scheme, eff, x32, kernel, spec)
-        if not np.isfinite(answer.output).all():
+            answer = await self._split(pool, replica, key, model, info, scheme, eff, x32, kernel, spec, out)
+        if answer.result.finite is not True and not np.isfinite(answer.output).all():  # unless the device checked
             r, c = (int(v) for v in np.argwhere(~np.isfinite(answer.output))[0])
             raise ApiError(422, "product_out_of_range",
                            f"the product overflows float32 (first at row {r}, column {c}): scale the activations down")
@@ -366,7 +373,7 @@ class Engine:
 
     async def _split(self, pool: list[Worker], replica: Replica, key: tuple, model: Model, info: TensorInfo,
                      scheme: Scheme | None, eff: TensorInfo, x32: np.ndarray, kernel: str,
-                     spec: KernelSpec | None) -> Answer:
+                     spec: KernelSpec | None, out: np.ndarray | None) -> Answer:
         """Each device multiplies its block of rows at once; the blocks of output columns are joined.  Rows of
         W are independent in every kernel, so the join equals the whole product by the kernels that ran."""
         m, calls = x32.shape[0], []
@@ -376,17 +383,20 @@ class Engine:
             job = Job(model, info, scheme, eff_part, part)
             calls.append(pool[part.device].scheduler.submit(
                 (*key, part.start, part.stop), job, x32, part_spec,
-                lambda rows, e=eff_part: self.choose("auto", e, rows)))
+                lambda rows, e=eff_part: self.choose("auto", e, rows),
+                None if out is None else out[:, part.start:part.stop]))
         answers = await asyncio.gather(*calls)
         first = answers[0]
         timing = {t: max(a.result.timing_ms.get(t, 0.0) for a in answers) for t in first.result.timing_ms}
-        result = Result(np.concatenate([a.output for a in answers], axis=1), first.result.backend,
-                        first.result.activation_format, timing)  # the parts ran at once: each step's slowest
+        finite = True if all(a.result.finite for a in answers) else None
+        result = Result(np.concatenate([a.output for a in answers], axis=1) if out is None else out,
+                        first.result.backend, first.result.activation_format, timing,
+                        finite=finite)  # the parts ran at once: each step's slowest
         return Answer(result.output, first.spec, result, first.batch, max(a.queue_ms for a in answers),
                       [pool[p.device].label for p in replica])
 
     async def _run_batch(self, worker: Worker, job: Job, spec: KernelSpec | None, parts: list[np.ndarray],
-                         alone: bool = False) -> tuple[KernelSpec, Result]:
+                         alone: bool = False, outs: list[np.ndarray | None] | None = None) -> tuple[KernelSpec, Result]:
         """One product of stacked rows on `worker`'s device: on its thread, so that the event loop takes in
         requests meanwhile; a lone small product on resident weights from the event loop itself."""
         rows = sum(p.shape[0] for p in parts)
@@ -399,10 +409,10 @@ class Engine:
         if spec.backend == "cuda":
             cuda = worker.cuda
             if alone and rows <= LOOP_ROWS and cuda.resident_for(spec, w):
-                result = await self._on_loop(cuda, spec, w, parts)
+                result = await self._on_loop(cuda, spec, w, parts, outs)
                 if result is not None:
                     return spec, result
-            future = cuda.submit(lambda: cuda.run_here(spec, w, parts))
+            future = cuda.submit(lambda: cuda.run_here(spec, w, parts, outs=outs))
         else:
             cpu = worker.cpu
             x = parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -483,3 +493,5 @@ class Engine:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+        if self.outputs is not None:
+            self.outputs.release()

@@ -39,6 +39,7 @@ class Chunk:
     context: Any  # what run_batch needs to find the weights (the same for a whole queue)
     spec: KernelSpec | None  # None: auto, picked by the batch's M
     future: asyncio.Future
+    out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -64,15 +65,18 @@ class Answer:
     devices: list[str] = field(default_factory=list)  # where it ran (several: a tensor split by rows)
 
 
-RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool], Awaitable[tuple[KernelSpec, Result]]]
+RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool, list[np.ndarray | None]],
+                   Awaitable[tuple[KernelSpec, Result]]]
 
 
 class Scheduler:
     def __init__(self, run_batch: RunBatch, max_rows: int, wait_us: int,
                  observe: Callable[[int, int], None] | None = None):
-        """`run_batch(context, spec, parts, alone)` runs the product of the stacked parts on the device and
-        returns (the spec that ran, its Result); `alone`: nothing else waits (the backend may then take
-        its lowest-latency path); `observe(requests, rows)` sees each batch."""
+        """`run_batch(context, spec, parts, alone, outs)` runs the product of the stacked parts on the device
+        and returns (the spec that ran, its Result); `alone`: nothing else waits (the backend may then take
+        its lowest-latency path); `outs`: per part, an array its rows may be written into (None: the
+        Result's output holds them; where it does, they are copied into the part's array);
+        `observe(requests, rows)` sees each batch."""
         self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
         self.observe = observe
         self.queues: OrderedDict[Hashable, deque[Chunk]] = OrderedDict()
@@ -86,9 +90,10 @@ class Scheduler:
         return sum(len(q) for q in self.queues.values())
 
     async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: KernelSpec | None,
-                     chunk_spec: Callable[[int], KernelSpec]) -> Answer:
+                     chunk_spec: Callable[[int], KernelSpec], out: np.ndarray | None = None) -> Answer:
         """Queue X [M, K] under `key` (a tensor); `spec` None is auto.
-        `chunk_spec(rows)` names the kernel for a request cut into chunks of `rows`."""
+        `chunk_spec(rows)` names the kernel for a request cut into chunks of `rows`.
+        `out` [M, N]: the array the answer's output is written into (no join of chunks then)."""
         m = x.shape[0]
         step = self.max_rows
         if m > step and spec is None:
@@ -96,7 +101,8 @@ class Scheduler:
         if spec is not None and spec.max_m is not None:
             step = min(step, spec.max_m)
         loop = asyncio.get_running_loop()
-        chunks = [Chunk(x[i:i + step], context, spec, loop.create_future()) for i in range(0, m, step)]
+        chunks = [Chunk(x[i:i + step], context, spec, loop.create_future(), None if out is None else out[i:i + step])
+                  for i in range(0, m, step)]
         qkey = (key, spec.name if spec is not None else None)
         if not self.busy and len(chunks) == 1 and not self.queues:
             # the device is idle and nobody waits: run in this coroutine (no task, no queue)
@@ -111,7 +117,8 @@ class Scheduler:
                 self.busy = True
                 asyncio.create_task(self._pump())
         answers: list[BatchAnswer] = [await c.future for c in chunks]
-        out = answers[0].output if len(answers) == 1 else np.concatenate([a.output for a in answers])
+        if out is None:
+            out = answers[0].output if len(answers) == 1 else np.concatenate([a.output for a in answers])
         big = max(answers, key=lambda a: a.rows)
         batch = {"requests": big.requests, "rows": big.rows}
         if len(answers) > 1:
@@ -162,7 +169,8 @@ class Scheduler:
         started = time.perf_counter()
         rows = sum(c.rows.shape[0] for c in batch)
         try:
-            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch], alone)
+            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch], alone,
+                                                [c.out for c in batch])
         except Exception as exc:
             for c in batch:
                 if not c.future.done():
@@ -174,7 +182,12 @@ class Scheduler:
         for c in batch:
             m = c.rows.shape[0]
             if not c.future.done():  # a client that went away leaves a cancelled future
-                c.future.set_result(BatchAnswer(result.output[row:row + m], spec, result, len(batch), rows,
-                                                (started - c.enqueued) * 1e3))
+                if c.out is None:
+                    output = result.output[row:row + m]
+                else:
+                    if result.output is not None:  # the backend did not write the out arrays itself
+                        c.out[...] = result.output[row:row + m]
+                    output = c.out
+                c.future.set_result(BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3))
             row += m
 

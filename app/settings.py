@@ -43,6 +43,9 @@ class Settings(BaseModel):
     # CPU workers: 1; more make "fake devices" (each its own thread and cpu_cache_bytes) on which tensors are
     # placed, replicated and split as on GPUs: placement and routing tested without a GPU
     cpu_devices: int = Field(1, ge=1, le=64)
+    # page-locked host memory that large outputs (1 MiB and up) are copied into straight from the GPU, reused
+    # across requests (kernels/cuda/host_memory.py); beyond it outputs take the staging copy; 0 turns it off
+    pinned_output_bytes: int = Field(1024 * MiB, ge=0)
     dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
 
     @field_validator("api_key")

@@ -32,11 +32,12 @@ class Weights:
 
 @dataclass
 class Result:
-    output: np.ndarray
+    output: np.ndarray  # None only where the caller gave output arrays (CudaBackend.run's outs)
     backend: str
     activation_format: str
     timing_ms: dict[str, float] = field(default_factory=dict)
     activations_q8_1: reference.Q8_1 | None = None  # kept for callers that check against the reference
+    finite: bool | None = None  # every output value finite, where the backend checked (None: not checked)
 
 
 def _as_is(x: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ class FakeDevice:
     def __init__(self, seconds: float = 0.01):
         self.seconds, self.batches = seconds, []
 
-    async def __call__(self, context, spec, parts, alone=False):
+    async def __call__(self, context, spec, parts, alone=False, outs=None):
         self.batches.append((context, [p.shape[0] for p in parts]))
         await asyncio.sleep(self.seconds)
         x = np.concatenate(parts)
@@ -117,7 +117,7 @@ def test_queues_of_different_tensors_take_turns() -> None:
 
 
 def test_an_error_reaches_every_request_of_its_batch() -> None:
-    async def failing(context, spec, parts, alone=False):
+    async def failing(context, spec, parts, alone=False, outs=None):
         await asyncio.sleep(0.005)
         raise RuntimeError("device fell over")
 
@@ -128,6 +128,44 @@ def test_an_error_reaches_every_request_of_its_batch() -> None:
                                       for _ in range(3)], return_exceptions=True)
 
     assert all(isinstance(r, RuntimeError) for r in run(main()))
+
+
+class WritingDevice(FakeDevice):
+    """A device that writes each part's rows into its output array itself (the CUDA backend's pinned path)."""
+
+    async def __call__(self, context, spec, parts, alone=False, outs=None):
+        spec, result = await super().__call__(context, spec, parts, alone)
+        if outs is None or any(o is None for o in outs):
+            return spec, result
+        row = 0
+        for p, o in zip(parts, outs, strict=True):
+            o[...] = result.output[row:row + p.shape[0]]
+            row += p.shape[0]
+        return spec, Result(None, "cpu", "q8_1_mmvq", {"gemm": 0.0})
+
+
+@pytest.mark.parametrize("device", [FakeDevice, WritingDevice])
+def test_output_arrays_take_each_requests_rows(device: type) -> None:
+    """With `out`, a request's answer is that array, holding its own rows of the batch: copied off the batch's
+    output, or written by the device; a request cut into chunks gets them in place, with no join.  Arrays are
+    poisoned (NaN) first; a request without one, in the same batch, gets its rows as before."""
+    dev = device(seconds=0.002)
+    sched = Scheduler(dev, max_rows=8, wait_us=100)
+    xs = [np.full((m, 4), i + 1, np.float32) for i, m in enumerate((1, 3, 2, 20))]
+    outs = [np.full((x.shape[0], 1), np.nan, np.float32) for x in xs]
+    outs[2] = None
+
+    async def main():
+        blocker = asyncio.create_task(sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)
+        return await asyncio.gather(*[sched.submit("t", "A", x, None, lambda r: SPEC, out)
+                                      for x, out in zip(xs, outs, strict=True)]), await blocker
+
+    answers, _ = run(main())
+    for i, (a, out) in enumerate(zip(answers, outs, strict=True)):
+        assert np.array_equal(a.output, np.full((xs[i].shape[0], 1), 4.0 * (i + 1)))
+        assert out is None or a.output is out
+    assert answers[3].batch["chunks"] == 3
 
 
 # -- through the API, on the CPU backend ----------------------------------------------------------------

@@ -489,6 +489,51 @@ def test_concurrent_requests(gpu_client, gpu_models_dir: Path) -> None:
     assert not errors, errors[:3]
 
 
+@pytest.mark.parametrize("kernel", ["auto", "mmq", "tiled_dp4a"])
+def test_large_outputs_go_straight_into_reused_pinned_memory(gpu_client, gpu_models_dir: Path,
+                                                             rng: np.random.Generator, kernel: str) -> None:
+    """An output of 1 MiB or more is copied by the GPU into a pinned array of the engine's pool, which reuses a
+    freed buffer: the buffer is poisoned (NaN) first, so every value of the answer must come from this product;
+    the device's finiteness check passes it."""
+    engine = gpu_client.app.state.engine
+    name, m = "blk.0.ffn_down.weight", 300  # [4096, 14336]: 300 x 4096 floats out, 4.9 MB
+    stale = engine.outputs.array((m, 4096))
+    assert stale is not None
+    stale[...] = np.nan
+    held = engine.outputs.held
+    del stale  # back to the free list: the next output of its size class gets it
+    x = rng.standard_normal((m, 14336)).astype(np.float32)
+    r = gpu_client.post(f"/v1/matmul?model=demo&tensor={name}&kernel={kernel}", content=_npy(x),
+                        headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert engine.outputs.held == held  # the poisoned buffer was reused, nothing new was pinned
+    y = np.load(io.BytesIO(r.content), allow_pickle=False)
+    check_answer(gpu_models_dir / "demo.gguf", name, x, y, r.headers["x-qgemm-activation-format"])
+
+
+def test_a_large_output_that_overflows_is_found_on_the_device(gpu_client, gpu_models_dir: Path,
+                                                              rng: np.random.Generator) -> None:
+    """Past FINITE_ON_DEVICE values the device says whether the output is finite; an overflow is still a 422
+    naming its row and column (found on the host once the device says there is one)."""
+    name = "blk.0.attn_q.weight"
+    type_name, raw, _ = _reference_weights(gpu_models_dir / "demo.gguf", name, "f32")
+    w = ref.dequantize_weights(type_name, raw)
+    col = int(np.abs(w).sum(axis=1).argmax())
+    x = rng.standard_normal((70, 4096)).astype(np.float32)  # 70 x 4096 outputs: checked on the device
+    x[37] = 3.3e38 * np.sign(w[col]) / max(1.0, float(np.abs(w[col]).sum()) / 1.5)
+    assert abs((x[37].astype(np.float64) * w[col]).sum()) > 3.5e38  # past float32's largest, 3.4e38
+    r = gpu_client.post(f"/v1/matmul?model=demo&tensor={name}&kernel=cublas_f32", content=_npy(x),
+                        headers={"Content-Type": "application/x-npy"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "product_out_of_range", r.text
+    assert f"row 37, column {col}" in r.json()["error"]["message"]
+
+
+def _npy(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("kernel", ["auto", "mmq", "gemv"])
 def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Path, kernel: str) -> None:
     """16 clients at once on one tensor (CUDA backend, batching on): each answer is exactly its rows of the
@@ -504,10 +549,10 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
         scheduler = engine.pools["cuda"][0].scheduler
         run_batch = scheduler.run_batch
 
-        async def recording(context, spec, parts, alone=False):
+        async def recording(context, spec, parts, alone=False, outs=None):
             if alone:  # hold the device a little, so that the others queue behind it and batch
                 await asyncio.sleep(0.05)
-            spec_ran, result = await run_batch(context, spec, parts, alone)
+            spec_ran, result = await run_batch(context, spec, parts, alone, outs)  # small outputs: no outs
             ran.append((spec_ran, [p.copy() for p in parts], result.output.copy()))
             return spec_ran, result
 

@@ -31,6 +31,10 @@ from models.resident import ResidentWeights, is_oom
 log = logging.getLogger("qgemm")
 R = TypeVar("R")
 POISON_Q8_1 = 0xAB
+# outputs of at least this many values are checked for NaN/inf on the device (a reduction of microseconds)
+# rather than by the engine on the host (a pass over the output on the event loop: 10 ms at 15M values)
+FINITE_ON_DEVICE = 1 << 18
+Outs = list[np.ndarray | None] | None  # per part of a product: where its rows of Y go (None: the staging path)
 
 
 class Options(Protocol):
@@ -61,10 +65,11 @@ class Pending:
     spec: KernelSpec
     m: int
     k: int
-    y_h: np.ndarray
+    y_h: np.ndarray | None  # None: the rows went straight into the callers' output arrays
     acts: Any
     weights_ms: float
     layout: str = ""  # the activations' layout (Q8_1 kernels)
+    finite_h: np.ndarray | None = None  # the device's "every output value is finite", for large outputs
 
 
 def cuda_device_count() -> int:
@@ -179,15 +184,17 @@ class CudaBackend:
 
     # -- a matmul ---------------------------------------------------------------------------------
     def run(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
-            keep_q8_1: bool = False) -> Result:
-        return self._call(lambda: self.run_here(spec, w, x, poison, keep_q8_1))
+            keep_q8_1: bool = False, outs: Outs = None) -> Result:
+        return self._call(lambda: self.run_here(spec, w, x, poison, keep_q8_1, outs))
 
     def run_here(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
-                 keep_q8_1: bool = False) -> Result:
-        """On the worker thread: X (or its row blocks, stacked as they are copied in) times W."""
+                 keep_q8_1: bool = False, outs: Outs = None) -> Result:
+        """On the worker thread: X (or its row blocks, stacked as they are copied in) times W.  With `outs` (an
+        array per block, pinned: kernels/cuda/host_memory.py) each block's rows of Y are copied into its array
+        and the Result's output is None."""
         parts = [x] if isinstance(x, np.ndarray) else x
         try:
-            return self._run(spec, w, parts, poison, keep_q8_1)
+            return self._run(spec, w, parts, poison, keep_q8_1, outs)
         except DeviceOutOfMemory:
             raise
         except Exception as exc:
@@ -197,7 +204,7 @@ class CudaBackend:
             self.resident.evict_all()
             cupy.get_default_memory_pool().free_all_blocks()
             try:
-                return self._run(spec, w, parts, poison, keep_q8_1)
+                return self._run(spec, w, parts, poison, keep_q8_1, outs)
             except Exception as exc2:
                 if is_oom(exc2):
                     m = sum(p.shape[0] for p in parts)
@@ -206,25 +213,27 @@ class CudaBackend:
                 raise
 
     def _run(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool,
-             keep_q8_1: bool) -> Result:
-        pending = self.launch(spec, w, parts, poison)
+             keep_q8_1: bool, outs: Outs) -> Result:
+        pending = self.launch(spec, w, parts, poison, outs)
         self.events[4].synchronize()  # the one synchronization of a product (or a batch)
         return self.finish(pending, keep_q8_1)
 
-    def launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool = False) -> Pending:
+    def launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool = False,
+               outs: Outs = None) -> Pending:
         """Enqueue a product on the stream (copies in, quantize, GEMM, copy out) and return at once;
         `events[4]` completes with it.  One product at a time: the staging buffers are its own."""
         with self._device:  # a no-op on the worker thread; the event loop's thread may be on another device
-            return self._launch(spec, w, parts, poison)
+            return self._launch(spec, w, parts, poison, outs)
 
-    def _launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool) -> Pending:
+    def _launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
         x_h = self.staging.array("x", (m, k), np.float32)
         row = 0
         for p in parts:  # the one host copy: request rows straight into pinned memory
             x_h[row:row + p.shape[0]] = p
             row += p.shape[0]
-        y_h = self.staging.array("y", (m, n), np.float32)
+        direct = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
+        y_h = None if direct else self.staging.array("y", (m, n), np.float32)
         ev = self.events
         with self.stream as s:
             arrays, weights_ms = self._weights(spec, w)
@@ -249,9 +258,16 @@ class CudaBackend:
                 y_d.fill(cupy.nan)
             launch.launch_gemm(self.modules, spec, w.type_name, arrays, acts, y_d, m, n, k)
             ev[3].record(s)
-            y_d.get(stream=s, out=y_h, blocking=False)
+            finite_h = None
+            if m * n >= FINITE_ON_DEVICE:
+                finite_h = self.staging.array("finite", (1,), np.bool_)
+                cupy.isfinite(y_d).all().reshape(1).get(stream=s, out=finite_h, blocking=False)
+            if y_h is not None:
+                y_d.get(stream=s, out=y_h, blocking=False)
+            else:
+                copy_rows_out(y_d, parts, outs, s)  # type: ignore[arg-type]
             ev[4].record(s)
-        return Pending(spec, m, k, y_h, acts, weights_ms, layout)
+        return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h)
 
     def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
@@ -260,11 +276,12 @@ class CudaBackend:
         if keep_q8_1 and pending.spec.quantizes:
             with self._device, self.stream:
                 q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k, pending.layout)
-        y = pending.y_h.copy()  # the staging buffer is the next product's
+        y = None if pending.y_h is None else pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": pending.weights_ms + sum(t)}
-        return Result(y, self.name, pending.spec.activation_format, timing, q8_1)
+        finite = None if pending.finite_h is None else bool(pending.finite_h[0])
+        return Result(y, self.name, pending.spec.activation_format, timing, q8_1, finite)
 
     def resident_for(self, spec: KernelSpec, w: Weights) -> bool:
         """Whether this product's weights are on the GPU already (then launching it costs microseconds)."""
@@ -285,3 +302,16 @@ class CudaBackend:
             return out
         return self._call(run)
 
+
+
+def copy_rows_out(y_d: cupy.ndarray, parts: list[np.ndarray], outs: list[np.ndarray], stream: cupy.cuda.Stream) -> None:
+    """Each part's rows of Y [M, N] into its own host array, asynchronously on `stream`: a 2-D copy, so that an
+    array may be a block of columns of a wider one (a split tensor's share of the request's output)."""
+    n, row = y_d.shape[1], 0
+    for p, o in zip(parts, outs, strict=True):
+        rows = p.shape[0]
+        if o.shape != (rows, n) or o.dtype != np.float32 or o.strides[1] != 4:
+            raise ValueError(f"an output block {o.shape} (strides {o.strides}) cannot take {rows} x {n} float32")
+        cupy.cuda.runtime.memcpy2DAsync(o.ctypes.data, o.strides[0], y_d.data.ptr + row * n * 4, n * 4, n * 4, rows,
+                                        cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        row += rows
