@@ -47,6 +47,20 @@ def npy(x: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def test_a_large_npy_answer_is_sent_from_the_output_itself(client: TestClient, rng: np.random.Generator) -> None:
+    """An answer of 1 MiB and more goes out as the .npy header then the array's bytes (no joined body): the
+    same values as the JSON answer, a loadable file, and a Content-Length that counts both."""
+    x = rng.standard_normal((1100, 96)).astype(np.float32)  # 1100 x 257 floats out: 1.1 MB
+    q = "?model=demo&tensor=small.q4_0.weight&kernel=ref_q8_1"
+    r = client.post(f"/v1/matmul{q}", content=npy(x), headers={"Content-Type": "application/x-npy",
+                                                              "Accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["content-length"]) == len(r.content) > 1100 * 257 * 4
+    y = np.load(io.BytesIO(r.content), allow_pickle=False)
+    as_json = client.post(f"/v1/matmul{q}", content=npy(x), headers={"Content-Type": "application/x-npy"})
+    assert np.array_equal(y, np.asarray(as_json.json()["output"], np.float32))
+
+
 @pytest.mark.parametrize("name", LARGE)
 @pytest.mark.parametrize("kernel", ["auto", "ref_q8_1", "ref_mmq", "ref_f32"])
 def test_json_products_are_correct(client: TestClient, oracle: Oracle, rng: np.random.Generator,

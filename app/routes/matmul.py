@@ -35,6 +35,7 @@ router = APIRouter(tags=["matmul"])
 NPY = "application/x-npy"
 JSON = "application/json"
 INLINE_BYTES = 1 << 18  # JSON bodies up to this size are parsed on the event loop (a thread hop costs more)
+IN_PLACE_BYTES = 1 << 20  # .npy answers this large are sent from the output's own memory, not copied into a body
 
 
 def _media(value: str | None) -> str:
@@ -229,7 +230,10 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                "X-Qgemm-Activation-Format": result.activation_format,
                "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
                "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}", "X-Qgemm-Devices": ",".join(answer.devices)}
-    if NPY in (request.headers.get("accept") or "").lower():
+    npy_out = NPY in (request.headers.get("accept") or "").lower()
+    if npy_out and y.nbytes >= IN_PLACE_BYTES:
+        content, media = None, NPY
+    elif npy_out:
         header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
         buf = bytearray(len(header) + y.size * 4)  # header and data written once, sent as they are
         buf[:len(header)] = header
@@ -244,7 +248,26 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
     headers["Server-Timing"] = (server_timing(timing)
                                 + f', batch;desc="{batch["requests"]} requests, {batch["rows"]} rows"')
+    if content is None:
+        return NpyInPlace(y, headers)
     return Response(content, media_type=media, headers=headers)
+
+
+class NpyInPlace(Response):
+    """A large .npy answer sent as two body messages, its header and then the array's own bytes: tens of MB of
+    output (pinned memory the GPU wrote) are not copied into one body first (15 ms at 58 MB)."""
+
+    media_type = NPY
+
+    def __init__(self, y: np.ndarray, headers: dict[str, str]):
+        self.header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
+        self.data = memoryview(np.ascontiguousarray(y, np.float32)).cast("B")
+        super().__init__(None, headers={**headers, "Content-Length": str(len(self.header) + self.data.nbytes)})
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.header, "more_body": True})
+        await send({"type": "http.response.body", "body": self.data})
 
 
 NPY_HEADERS: dict[tuple[int, ...], bytes] = {}
