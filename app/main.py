@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.store, app.state.engine = store, engine
         for worker in engine.workers:
             worker.scheduler.observe = metrics.observe_batch
-        metrics.track(engine.workers, engine.pools["cuda"])
+        metrics.track(engine.workers, engine.pools["cuda"], engine.outputs)
         app.state.stats_cache = ByteLRU(64)  # counts entries: 64 tensors' statistics
         log.info("qgemm %s: backend %s (%s), models in %s", __version__, engine.backend,
                  ", ".join(f"{w.label} {w.name}" for w in engine.pools[engine.backend]) or engine.cuda_error,

@@ -32,17 +32,23 @@ class Metrics:
         self.queue_depth = Gauge("qgemm_queue_depth", "Requests (or chunks) waiting for the device", registry=r)
         self.resident_bytes = Gauge("qgemm_gpu_resident_bytes", "Weight bytes resident on the GPU", registry=r)
         self.gpu_budget_bytes = Gauge("qgemm_gpu_budget_bytes", "The GPU weight budget", registry=r)
+        self.pinned_output_bytes = Gauge("qgemm_pinned_output_bytes", "Page-locked host memory held for large "
+                                         "outputs (in answers and free for reuse; at most QGEMM_PINNED_OUTPUT_BYTES)",
+                                         registry=r)
 
     def observe_batch(self, requests: int, rows: int) -> None:
         self.batch_requests.observe(requests)
         self.batch_rows.observe(rows)
 
-    def track(self, workers: Sequence[Any], gpus: Sequence[Any]) -> None:
-        """Gauges read when scraped: the totals, and each device's (a collector with a `device` label)."""
+    def track(self, workers: Sequence[Any], gpus: Sequence[Any], pinned: Any = None) -> None:
+        """Gauges read when scraped: the totals, and each device's (a collector with a `device` label);
+        `pinned`: the engine's pool of pinned output buffers (None without a GPU)."""
         self.queue_depth.set_function(lambda: sum(w.scheduler.depth() for w in workers))
         if gpus:
             self.resident_bytes.set_function(lambda: sum(w.memory()[0] for w in gpus))
             self.gpu_budget_bytes.set_function(lambda: sum(w.memory()[1] for w in gpus))
+        if pinned is not None:
+            self.pinned_output_bytes.set_function(lambda: pinned.held)
         self.registry.register(DeviceCollector(workers))
 
 

@@ -507,6 +507,9 @@ def test_large_outputs_go_straight_into_reused_pinned_memory(gpu_client, gpu_mod
                         headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
     assert r.status_code == 200, r.text
     assert engine.outputs.held == held  # the poisoned buffer was reused, nothing new was pinned
+    metric = next(line for line in gpu_client.get("/metrics").text.splitlines()
+                  if line.startswith("qgemm_pinned_output_bytes "))
+    assert float(metric.split()[1]) == held > 0
     y = np.load(io.BytesIO(r.content), allow_pickle=False)
     check_answer(gpu_models_dir / "demo.gguf", name, x, y, r.headers["x-qgemm-activation-format"])
 
