@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
-import cupy
 import numpy as np
 
 MIN_BYTES = 1 << 20  # below this the staging copy costs less than the pool's bookkeeping
@@ -29,11 +31,20 @@ def size_class(nbytes: int) -> int:
     return math.ceil(nbytes / step) * step
 
 
+def pinned(size: int) -> Any:
+    """`size` bytes of portable page-locked memory, as a buffer numpy can wrap (freed when unreferenced)."""
+    import cupy
+
+    return cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(size, PORTABLE), 0)
+
+
 class PinnedOutputs:
-    def __init__(self, cap: int):
-        self.cap = cap
-        self._free: dict[int, list[cupy.cuda.PinnedMemory]] = {}
-        self._held = 0  # bytes allocated: out in arrays plus on the free lists
+    def __init__(self, cap: int, alloc: Callable[[int], Any] = pinned):
+        """`alloc(size)`: a buffer of that many bytes (page-locked ones by default; tests pass bytearray)."""
+        self.cap, self._alloc = cap, alloc
+        self._free: dict[int, list[Any]] = {}
+        self._returned: deque[tuple[int, Any]] = deque()  # given back by finalizers, not yet on a free list
+        self._held = 0  # bytes allocated: out in arrays, returned, or on the free lists
         self._lock = threading.Lock()
 
     @property
@@ -48,22 +59,30 @@ class PinnedOutputs:
             return None
         size = size_class(nbytes)
         with self._lock:
+            self._drain()
             free = self._free.get(size)
-            mem = free.pop() if free else None
-            if mem is None:
+            buf = free.pop() if free else None
+            if buf is None:
                 if not self._make_room(size):
                     return None
                 self._held += size
-        if mem is None:
+        if buf is None:
             try:
-                mem = cupy.cuda.PinnedMemory(size, PORTABLE)
+                buf = self._alloc(size)
             except Exception:
                 with self._lock:
                     self._held -= size
                 return None
-        out = np.ndarray(shape, dtype, buffer=cupy.cuda.PinnedMemoryPointer(mem, 0))
-        weakref.finalize(out, self._give_back, size, mem)
+        out = np.ndarray(shape, dtype, buffer=buf)
+        weakref.finalize(out, self._returned.append, (size, buf))  # when the array and its views are gone
         return out
+
+    def _drain(self) -> None:
+        """Under the lock: returned buffers onto their free lists.  (Finalizers only append to a deque: they may
+        run inside any allocation, on any thread, even while this lock is held.)"""
+        while self._returned:
+            size, buf = self._returned.popleft()
+            self._free.setdefault(size, []).append(buf)
 
     def _make_room(self, size: int) -> bool:
         """Under the lock: drop free buffers of other sizes until `size` more bytes fit under the cap."""
@@ -71,17 +90,14 @@ class PinnedOutputs:
             other = next((s for s, lst in self._free.items() if lst), None)
             if other is None:
                 return False
-            self._free[other].pop()  # cudaFreeHost when the last reference goes
+            self._free[other].pop()  # freed (cudaFreeHost) when its last reference goes
             self._held -= other
         return True
-
-    def _give_back(self, size: int, mem: cupy.cuda.PinnedMemory) -> None:
-        with self._lock:
-            self._free.setdefault(size, []).append(mem)
 
     def release(self) -> None:
         """Free every buffer not in use (at shutdown)."""
         with self._lock:
+            self._drain()
             for size, lst in self._free.items():
                 self._held -= size * len(lst)
             self._free.clear()
