@@ -374,8 +374,9 @@ class Engine:
     async def _split(self, pool: list[Worker], replica: Replica, key: tuple, model: Model, info: TensorInfo,
                      scheme: Scheme | None, eff: TensorInfo, x32: np.ndarray, kernel: str,
                      spec: KernelSpec | None, out: np.ndarray | None) -> Answer:
-        """Each device multiplies its block of rows at once; the blocks of output columns are joined.  Rows of
-        W are independent in every kernel, so the join equals the whole product by the kernels that ran."""
+        """Each device multiplies its block of rows at once, and its block of output columns goes into `out` (or
+        the blocks are joined, without one).  Rows of W are independent in every kernel, so the blocks make the
+        whole product by the kernels that ran."""
         m, calls = x32.shape[0], []
         for part in replica:
             eff_part = dataclasses.replace(eff, shape=(part.rows, eff.shape[1]))

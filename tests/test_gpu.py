@@ -13,6 +13,7 @@ import functools
 import io
 import itertools
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -512,6 +513,27 @@ def test_large_outputs_go_straight_into_reused_pinned_memory(gpu_client, gpu_mod
     assert float(metric.split()[1]) == held > 0
     y = np.load(io.BytesIO(r.content), allow_pickle=False)
     check_answer(gpu_models_dir / "demo.gguf", name, x, y, r.headers["x-qgemm-activation-format"])
+
+
+def test_an_output_array_outlives_its_request_until_the_device_wrote_it(gpu_client, rng: np.random.Generator) -> None:
+    """A request cancelled after its launch drops its output array: the backend keeps it until the device's copy
+    into it is done (else the pool could hand the buffer to a product on another device under that copy), and
+    lets it go at a later launch."""
+    engine = gpu_client.app.state.engine
+    cuda, name = engine.cuda, "blk.0.ffn_down.weight"
+    model = next(m for m in gpu_client.app.state.store.scan() if m.id == "demo")
+    info = model.tensors[name]
+    w, spec = engine.weights(model, info), engine.choose("mmq", info, 300)
+    refs = []
+    for _ in range(2):
+        out = engine.outputs.array((300, 4096))
+        refs.append(weakref.ref(out))
+        pending = cuda.launch(spec, w, [rng.standard_normal((300, 14336)).astype(np.float32)], outs=[out])
+        del out  # the request is gone
+        assert refs[-1]() is not None  # held while the device writes it
+        cuda.events[4].synchronize()
+        assert cuda.finish(pending).output is None
+    assert refs[0]() is None and refs[1]() is not None  # the second launch let the first go; the second waits
 
 
 def test_a_large_output_that_overflows_is_found_on_the_device(gpu_client, gpu_models_dir: Path,

@@ -104,6 +104,9 @@ class CudaBackend:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.staging = Staging()
         self.events = [cupy.cuda.Event() for _ in range(5)]
+        # output arrays the device is still writing, each with the event after its copies: kept alive until then,
+        # so that a request cancelled meanwhile cannot return its pinned buffer for reuse under the copy
+        self.writing: list[tuple[cupy.cuda.Event, list[np.ndarray]]] = []
         free, total = cupy.cuda.runtime.memGetInfo()
         budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
         self.total_memory = int(total)
@@ -266,6 +269,9 @@ class CudaBackend:
                 y_d.get(stream=s, out=y_h, blocking=False)
             else:
                 copy_rows_out(y_d, parts, outs, s)  # type: ignore[arg-type]
+                written = cupy.cuda.Event(disable_timing=True)
+                written.record(s)
+                self.writing = [(e, o) for e, o in self.writing if not e.done] + [(written, outs)]  # type: ignore[list-item]
             ev[4].record(s)
         return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h)
 
