@@ -29,7 +29,7 @@ from app.workers import Worker
 from kernels.cpu import Result, Weights
 from kernels.errors import DeviceOutOfMemory
 from kernels.formats import format_of
-from kernels.reference import dequantize_weights, q8_1_overflow
+from kernels.reference import dequantize_weights, q8_1_in_range, q8_1_overflow
 from kernels.registry import AUTO_DESCRIPTION, CPU_REFERENCE, KERNELS, WEIGHTS, KernelSpec, known_names, llama_formula
 from kernels.requant import BNB4_TARGETS, Scheme, requantize
 from models.store import Model, TensorInfo
@@ -246,9 +246,12 @@ class Engine:
             log.debug("launch on the event loop failed (%s); the worker thread runs it", exc)
             return None
         done, t0 = cuda.events[4], time.perf_counter()
-        while not done.done:
+        while True:
+            # yield at least once: a product done by the end of its own launch would otherwise return without the
+            # loop ever running anything else, and a caller that submits again at once would keep it for good
             await asyncio.sleep(0 if time.perf_counter() - t0 < POLL_SPIN_S else POLL_SLEEP_S)
-        return cuda.finish(pending)
+            if done.done:
+                return cuda.finish(pending)
 
     @staticmethod
     def effective(info: TensorInfo, scheme: Scheme | None) -> TensorInfo:
@@ -283,16 +286,29 @@ class Engine:
         src = info.type_name  # requantized from its values when a cache first needs them
         return Weights(key, scheme.type_name, n, k, lambda: requantize(dequantize_weights(src, raw()), scheme), variant)
 
-    def prepare(self, model: Model, info: TensorInfo, x: np.ndarray,
-                kernel: str) -> tuple[np.ndarray, KernelSpec | None]:
-        """Every check a request can fail before it queues: X as float32, and its kernel (None: auto)."""
+    def prepare(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str,
+                values: bool = True) -> tuple[np.ndarray, KernelSpec | None]:
+        """Every check a request can fail before it queues: X as float32, and its kernel (None: auto).
+        `values` False leaves X's values (NaN, inf, Q8_1's range) to `check_values` after the product, where the
+        device measured each row's max|x| (a pass over X on the host costs milliseconds at M = 512)."""
         if info.matmul_reason:
             raise ApiError(422, "unsupported_tensor", info.matmul_reason)
         self.check_activations(x, info)
         spec = self.choose(kernel, info, x.shape[0])
         with np.errstate(over="ignore", invalid="ignore"):
             x32 = np.ascontiguousarray(x, dtype=np.float32)
-            amax = max(float(x32.max()), -float(x32.min()))  # one value says it all: NaN and inf propagate
+        if values:
+            self.check_values(info, x, x32, kernel, spec)
+        return x32, None if kernel == "auto" else spec
+
+    @staticmethod
+    def check_values(info: TensorInfo, x: np.ndarray, x32: np.ndarray, kernel: str, spec: KernelSpec,
+                     amax: float | None = None) -> None:
+        """X's values: finite, and in the range of the Q8_1 kernels that may run it; `amax`: max|x32| where a
+        device measured it (NaN and inf propagate), else computed here."""
+        if amax is None:
+            with np.errstate(invalid="ignore"):
+                amax = max(float(x32.max()), -float(x32.min()))  # one value says it all: NaN and inf propagate
         if not math.isfinite(amax):
             bad = np.argwhere(~np.isfinite(x))
             if len(bad):
@@ -305,7 +321,6 @@ class Engine:
             overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum, amax=amax)
             if overflow is not None:
                 raise ApiError(422, "activation_out_of_range", f"activations out of range for {spec.name}: {overflow}")
-        return x32, None if kernel == "auto" else spec
 
     # -- where tensors live ----------------------------------------------------------------------
     def placement_of(self, backend: str, model: Model, info: TensorInfo, scheme: Scheme | None,
@@ -344,11 +359,14 @@ class Engine:
         """A request's product, through the scheduler of the device that holds its tensor (which may batch it
         with others of this tensor in the same weight format); on every device of a split tensor at once."""
         eff = self.effective(info, scheme)
-        if x.size <= INLINE_VALUES:
-            x32, spec = self.prepare(model, eff, x, kernel)
-        else:  # large X: its checks take milliseconds, off the event loop
-            x32, spec = await run_in_threadpool(self.prepare, model, eff, x, kernel)
-        backend = (spec or self.choose("auto", eff, x32.shape[0])).backend
+        # large X on a GPU: its values are checked from the max|x| per row the device measures as it quantizes
+        on_device = x.size > INLINE_VALUES and self.cuda is not None
+        if x.size <= INLINE_VALUES or (on_device and x.dtype == np.float32 and x.flags.c_contiguous):
+            x32, spec = self.prepare(model, eff, x, kernel, values=not on_device)
+        else:  # large X: its checks (or its conversion) take milliseconds, off the event loop
+            x32, spec = await run_in_threadpool(self.prepare, model, eff, x, kernel, not on_device)
+        chosen = spec or self.choose("auto", eff, x32.shape[0])
+        backend = chosen.backend
         pool = self.pools[backend]
         key = (model.version_key, info.name, scheme.tag if scheme else "")
         if len(pool) == 1:  # one device: nothing to place
@@ -365,6 +383,9 @@ class Engine:
             answer.devices = [pool[replica[0].device].label]
         else:
             answer = await self._split(pool, replica, key, model, info, scheme, eff, x32, kernel, spec, out)
+        # a value out of range (or a backend that did not measure X): the host finds what and where
+        if on_device and (answer.x_amax is None or not q8_1_in_range(answer.x_amax)):
+            await run_in_threadpool(self.check_values, eff, x, x32, kernel, chosen, answer.x_amax)
         if answer.result.finite is not True and not np.isfinite(answer.output).all():  # unless the device checked
             r, c = (int(v) for v in np.argwhere(~np.isfinite(answer.output))[0])
             raise ApiError(422, "product_out_of_range",
@@ -390,11 +411,12 @@ class Engine:
         first = answers[0]
         timing = {t: max(a.result.timing_ms.get(t, 0.0) for a in answers) for t in first.result.timing_ms}
         finite = True if all(a.result.finite for a in answers) else None
+        x_amax = None if any(a.x_amax is None for a in answers) else first.x_amax  # every part saw the same X
         result = Result(np.concatenate([a.output for a in answers], axis=1) if out is None else out,
                         first.result.backend, first.result.activation_format, timing,
                         finite=finite)  # the parts ran at once: each step's slowest
         return Answer(result.output, first.spec, result, first.batch, max(a.queue_ms for a in answers),
-                      [pool[p.device].label for p in replica])
+                      [pool[p.device].label for p in replica], x_amax)
 
     async def _run_batch(self, worker: Worker, job: Job, spec: KernelSpec | None, parts: list[np.ndarray],
                          alone: bool = False, outs: list[np.ndarray | None] | None = None) -> tuple[KernelSpec, Result]:

@@ -19,6 +19,7 @@ device is idle); 0 turns batching off: one request (or chunk) at a time, in arri
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable
@@ -53,6 +54,7 @@ class BatchAnswer:
     requests: int  # chunks in that batch
     rows: int  # rows in that batch
     queue_ms: float
+    x_amax: float | None = None  # max|x| of its rows, as the device measured it (None: not measured)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Answer:
     batch: dict[str, int]  # {"requests", "rows"} of the largest batch this request ran in (+ "chunks" if cut)
     queue_ms: float
     devices: list[str] = field(default_factory=list)  # where it ran (several: a tensor split by rows)
+    x_amax: float | None = None  # max|x| of the request's activations, where the device measured every row of it
 
 
 RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool, list[np.ndarray | None]],
@@ -123,7 +126,10 @@ class Scheduler:
         batch = {"requests": big.requests, "rows": big.rows}
         if len(answers) > 1:
             batch["chunks"] = len(answers)
-        return Answer(out, answers[-1].spec, answers[-1].result, batch, max(a.queue_ms for a in answers))
+        amaxes = [a.x_amax for a in answers]
+        x_amax = None if None in amaxes else max(amaxes, key=lambda v: v if v == v else math.inf)  # NaN wins
+        return Answer(out, answers[-1].spec, answers[-1].result, batch, max(a.queue_ms for a in answers),
+                      x_amax=x_amax)
 
     def _take(self) -> list[Chunk] | None:
         """The next batch: round-robin over queues, up to max_rows rows (one chunk when batching is off)."""
@@ -179,7 +185,7 @@ class Scheduler:
         if self.observe is not None:
             self.observe(len(batch), rows)
         row = 0
-        for c in batch:
+        for i, c in enumerate(batch):
             m = c.rows.shape[0]
             if not c.future.done():  # a client that went away leaves a cancelled future
                 if c.out is None:
@@ -188,6 +194,8 @@ class Scheduler:
                     if result.output is not None:  # the backend did not write the out arrays itself
                         c.out[...] = result.output[row:row + m]
                     output = c.out
-                c.future.set_result(BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3))
+                x_amax = None if result.x_amax is None else result.x_amax[i]
+                c.future.set_result(BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3,
+                                                x_amax))
             row += m
 

@@ -175,12 +175,17 @@ class Q8_1Overflow:
                 f"{self.quantity} {self.value:.6g} overflows half precision (needs {limit})")
 
 
+def q8_1_in_range(amax: float) -> bool:
+    """Whether activations of this max|x| are safe for Q8_1 whatever their blocks: neither a block's d nor its sum
+    can round to a float16 infinity (False for NaN and inf)."""
+    return amax * QK < HALF_INF * 0.99
+
+
 def q8_1_overflow(x: np.ndarray, uses_sum: bool, amax: float | None = None) -> Q8_1Overflow | None:
     """Where `quantize_q8_1(x)` would store an infinite d (or s, when the weights' format reads it);
     `amax`: max|x| when the caller knows it already."""
     x = np.asarray(x, dtype=np.float32)
-    amax_all = float(np.abs(x).max(initial=0.0)) if amax is None else amax
-    if amax_all * QK < HALF_INF * 0.99:  # neither d nor any block's sum can reach it: the common case, one pass
+    if q8_1_in_range(float(np.abs(x).max(initial=0.0)) if amax is None else amax):  # the common case, one pass
         return None
     m, k = x.shape
     xb = x.reshape(m, k // QK, QK)

@@ -214,3 +214,50 @@ def test_metrics_count_requests_and_batches(client) -> None:
     assert 'qgemm_http_requests_total{method="GET",route="/v1/models/{model_id}",status="404"}' in text
     assert "qgemm_batch_rows_bucket" in text and "qgemm_queue_depth 0.0" in text
     assert 'qgemm_http_request_seconds_bucket{le="0.005",route="/v1/matmul"}' in text
+
+
+def test_a_lone_product_done_at_launch_still_lets_other_requests_in() -> None:
+    """Engine._on_loop yields to the loop at least once: a product whose last event completed during its own launch
+    must not return at once, or a caller submitting again straight away would keep the loop from everyone else."""
+    from app.engine import Engine
+
+    class DoneAtLaunch:  # a CudaBackend whose products are finished by the time launch returns
+        events = [None] * 4 + [type("Event", (), {"done": True})()]
+
+        def launch(self, spec, w, parts, outs=None):
+            return parts
+
+        def finish(self, pending):
+            return "result"
+
+    async def main() -> list[str]:
+        seen: list[str] = []
+        other = asyncio.get_running_loop().call_soon(seen.append, "other")
+        for _ in range(3):
+            seen.append(await Engine._on_loop(DoneAtLaunch(), SPEC, None, [np.ones((1, 4))]))
+        other.cancel()
+        return seen
+
+    assert run(main())[:2] == ["other", "result"]
+
+
+def test_each_request_gets_the_max_of_its_own_rows_that_the_device_measured() -> None:
+    """Result.x_amax holds one max|x| per part of a batch; each request gets its parts' (a NaN wins), so that the
+    engine can check a request's values after its product without a pass over X on the host."""
+
+    async def measuring(context, spec, parts, alone=False, outs=None):
+        await asyncio.sleep(0.01)
+        x = np.concatenate(parts)
+        with np.errstate(invalid="ignore"):
+            amax = [float(np.abs(p).max()) for p in parts]
+        return SPEC, Result(x.sum(axis=1, keepdims=True), "cuda", "q8_1_mmvq", {"gemm": 0.0}, x_amax=amax)
+
+    sched = Scheduler(measuring, max_rows=4, wait_us=100)
+    xs = [np.full((2, 8), 1.0), np.full((3, 8), -5.0), np.full((10, 8), 2.0), np.full((1, 8), 3.0)]
+    xs[2][6, 1] = np.nan  # in the second of its three chunks
+
+    async def main() -> list:
+        return await asyncio.gather(*(sched.submit("t", None, x, None, lambda rows: SPEC) for x in xs))
+
+    amaxes = [a.x_amax for a in run(main())]
+    assert amaxes[:2] == [1.0, 5.0] and np.isnan(amaxes[2]) and amaxes[3] == 3.0

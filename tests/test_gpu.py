@@ -553,6 +553,41 @@ def test_a_large_output_that_overflows_is_found_on_the_device(gpu_client, gpu_mo
     assert f"row 37, column {col}" in r.json()["error"]["message"]
 
 
+def test_large_activations_are_checked_from_the_devices_row_maxima(gpu_client, rng: np.random.Generator) -> None:
+    """X of more than 64K values is checked from the max|x| per row the device measures (no pass over X on the
+    host): a NaN or a Q8_1 overflow is still a 422 naming its place; values past the quick bound but in range
+    multiply; and a bad request batched with good ones leaves their rows exact."""
+    name, k = "blk.0.attn_q.weight", 4096
+    engine = gpu_client.app.state.engine
+    model = next(mm for mm in gpu_client.app.state.store.scan() if mm.id == "demo")
+    info = model.tensors[name]
+
+    def x_of(seed: str) -> np.ndarray:
+        return np.random.default_rng(stream_seed(seed)).standard_normal((24, k)).astype(np.float32)  # 98,304 values
+
+    nan, overflow, big = x_of("nan"), x_of("overflow"), x_of("big")
+    nan[13, 2001] = np.nan
+    overflow[7, 160:184] = 3000.0  # row 7, block 5 sums past 65,504
+    big[3, 0] = 5000.0  # max|x| * 32 passes half's range, but neither d (39.4) nor block 0's sum does
+    for x, code, where in ((nan, "non_finite", "row 13, column 2001"),
+                           (overflow, "activation_out_of_range", "row 7, block 5")):
+        r = gpu_client.post(f"/v1/matmul?model=demo&tensor={name}&kernel=mmq", content=_npy(x),
+                            headers={"Content-Type": "application/x-npy"})
+        error = r.json()["error"]
+        assert r.status_code == 422 and error["code"] == code and where in error["message"], r.text
+    good = [x_of(f"good {i}") for i in range(3)] + [big]
+    alone = [gpu_client.portal.call(engine.matmul, model, info, x, "mmq").output.copy() for x in good]
+
+    async def together() -> list:
+        return await asyncio.gather(*(engine.matmul(model, info, x, "mmq") for x in [nan, *good, overflow]),
+                                    return_exceptions=True)
+
+    answers = gpu_client.portal.call(together)
+    assert [getattr(a, "status", None) for a in answers] == [422, None, None, None, None, 422]
+    for a, y in zip(answers[1:5], alone, strict=True):  # equal up to the order a split-K kernel sums in
+        assert np.sum((a.output.astype(np.float64) - y) ** 2) / np.sum(y.astype(np.float64) ** 2) < 1e-10
+
+
 def _npy(x: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, x)

@@ -142,8 +142,9 @@ def test_measure_the_two_gpu_targets(tmp_path: Path) -> None:
                   for i in (0, 1)])
     out: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                               "date": time.strftime("%Y-%m-%d"),
-                              "method": "engine-level (no HTTP): 64 concurrent clients for 3 s after a 3 s warm-up; "
-                                        "products: median of 10 after 3"}
+                              "method": "engine-level (no HTTP): 64 concurrent clients, a 2 s warm-up, then 3 rounds "
+                                        "of 2 s on one device and 2 s on two, alternated (medians; every round "
+                                        "in 'rounds'); products: median of 10 after 3"}
     with make_client(tmp_path, backend="cuda") as c:
         engine = c.app.state.engine
         if _two_workers(engine):
@@ -151,7 +152,8 @@ def test_measure_the_two_gpu_targets(tmp_path: Path) -> None:
         model = next(m for m in c.app.state.store.scan() if m.id == "big")
         big = model.tensors["big.weight"]
 
-        def throughput(t0: object, t1: object, m: int, devices_1: list[int], seconds: float = 3.0) -> float:
+        def throughput(t0: object, t1: object, m: int, devices_1: list[int], seconds: float = 2.0,
+                       warm: bool = False) -> float:
             """Products per second of 64 clients, half on each tensor; t0 on device 0, t1 where told."""
             engine.place("cuda", model, t0, None, [0], "replicate")
             engine.place("cuda", model, t1, None, devices_1, "replicate")
@@ -167,32 +169,42 @@ def test_measure_the_two_gpu_targets(tmp_path: Path) -> None:
                         done += 1
                 await asyncio.gather(*(client(t1 if i % 2 else t0) for i in range(64)))
                 return done
-            c.portal.call(drive)  # warm-up
+            if warm:
+                c.portal.call(drive)
             return c.portal.call(drive) / seconds
 
         load = {}
         for name, m in (("a", 1), ("c", 16), ("c", 128)):
             t0, t1 = model.tensors[f"{name}0.weight"], model.tensors[f"{name}1.weight"]
-            one, two = throughput(t0, t1, m, [0]), throughput(t0, t1, m, [1])
+            throughput(t0, t1, m, [0], warm=True)
+            rounds = [(throughput(t0, t1, m, [0]), throughput(t0, t1, m, [1])) for _ in range(3)]
+            one, two = (statistics.median(r[i] for r in rounds) for i in (0, 1))
             load[f"{list(t0.shape)} Q4_0 M={m}"] = {"one_device": round(one), "two_devices": round(two),
-                                                    "speedup": round(two / one, 2)}
+                                                    "speedup": round(two / one, 2),
+                                                    "rounds": [[round(a), round(b)] for a, b in rounds]}
         out["two_tensors_requests_per_s"] = load
         x512 = rng.standard_normal((512, 8192)).astype(np.float32)
 
+        steps: dict[str, dict[str, float]] = {}
+
         def product_ms(devices: list[int], how: str) -> tuple[float, float]:
             """Median wall time of the whole product (X in, Y out, the join), and of its GPU steps alone
-            (quantize + GEMM by CUDA events; a split's slowest part)."""
+            (quantize + GEMM by CUDA events; a split's slowest part); each step's median into `steps`."""
             engine.place("cuda", model, big, None, devices, how)
-            wall, gpu = [], []
+            wall, gpu, timings = [], [], []
             for i in range(13):
                 t0 = time.perf_counter()
                 answer = c.portal.call(engine.matmul, model, big, x512, "auto")
                 if i >= 3:
                     wall.append((time.perf_counter() - t0) * 1e3)
                     gpu.append(answer.result.timing_ms["quantize"] + answer.result.timing_ms["gemm"])
+                    timings.append(answer.result.timing_ms)
+            steps[how] = {k: round(statistics.median(t[k] for t in timings), 3)
+                          for k in ("upload", "quantize", "gemm", "download")}
             return statistics.median(wall), statistics.median(gpu)
 
         (whole, whole_gpu), (split, split_gpu) = product_ms([0], "replicate"), product_ms([0, 1], "split")
+        out["split_28672x8192_q4_0_m512_steps_ms"] = {"one_device": steps["replicate"], "split_two": steps["split"]}
         out["split_28672x8192_q4_0_m512_ms"] = {"one_device": round(whole, 3), "split_two": round(split, 3),
                                                 "speedup": round(whole / split, 2)}
         out["split_28672x8192_q4_0_m512_gpu_ms"] = {"one_device": round(whole_gpu, 3),

@@ -35,6 +35,17 @@ POISON_Q8_1 = 0xAB
 # rather than by the engine on the host (a pass over the output on the event loop: 10 ms at 15M values)
 FINITE_ON_DEVICE = 1 << 18
 Outs = list[np.ndarray | None] | None  # per part of a product: where its rows of Y go (None: the staging path)
+# products of more than this many activation values report each part's max|x|, measured on the device: the
+# engine then checks X's values from it instead of by two passes over X on the host (Engine.check_values)
+X_AMAX_ON_DEVICE = 1 << 16
+# max|x| of each row, NaN counted as infinity (numpy twin: np.abs(x).max(axis=1), NaN-propagating)
+# (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
+_row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
+                                 "fmaxf(a, b)", "y = a", "0.0f", "qgemm_row_amax")
+# X is copied into pinned staging in row blocks on several threads from this size (one core copies ~10 GB/s)
+PARALLEL_COPY_BYTES = 4 << 20
+COPY_BLOCKS = 4
+_copiers = ThreadPoolExecutor(2 * COPY_BLOCKS, thread_name_prefix="qgemm-copy")  # shared by every device's worker
 
 
 class Options(Protocol):
@@ -70,6 +81,8 @@ class Pending:
     weights_ms: float
     layout: str = ""  # the activations' layout (Q8_1 kernels)
     finite_h: np.ndarray | None = None  # the device's "every output value is finite", for large outputs
+    amax_h: np.ndarray | None = None  # max|x| per row, measured on the device, for products of large X
+    part_rows: tuple[int, ...] = ()
 
 
 def cuda_device_count() -> int:
@@ -233,7 +246,7 @@ class CudaBackend:
         x_h = self.staging.array("x", (m, k), np.float32)
         row = 0
         for p in parts:  # the one host copy: request rows straight into pinned memory
-            x_h[row:row + p.shape[0]] = p
+            copy_in(x_h[row:row + p.shape[0]], p)
             row += p.shape[0]
         direct = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
         y_h = None if direct else self.staging.array("y", (m, n), np.float32)
@@ -261,7 +274,10 @@ class CudaBackend:
                 y_d.fill(cupy.nan)
             launch.launch_gemm(self.modules, spec, w.type_name, arrays, acts, y_d, m, n, k)
             ev[3].record(s)
-            finite_h = None
+            finite_h = amax_h = None
+            if m * k > X_AMAX_ON_DEVICE:
+                amax_h = self.staging.array("amax", (m,), np.float32)
+                _row_amax(x_d, axis=1).get(stream=s, out=amax_h, blocking=False)
             if m * n >= FINITE_ON_DEVICE:
                 finite_h = self.staging.array("finite", (1,), np.bool_)
                 cupy.isfinite(y_d).all().reshape(1).get(stream=s, out=finite_h, blocking=False)
@@ -273,7 +289,7 @@ class CudaBackend:
                 written.record(s)
                 self.writing = [(e, o) for e, o in self.writing if not e.done] + [(written, outs)]  # type: ignore[list-item]
             ev[4].record(s)
-        return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h)
+        return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h, amax_h, tuple(p.shape[0] for p in parts))
 
     def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
@@ -287,7 +303,11 @@ class CudaBackend:
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": pending.weights_ms + sum(t)}
         finite = None if pending.finite_h is None else bool(pending.finite_h[0])
-        return Result(y, self.name, pending.spec.activation_format, timing, q8_1, finite)
+        x_amax = None
+        if pending.amax_h is not None:
+            ends = np.cumsum(pending.part_rows)
+            x_amax = [float(pending.amax_h[e - rows:e].max()) for rows, e in zip(pending.part_rows, ends, strict=True)]
+        return Result(y, self.name, pending.spec.activation_format, timing, q8_1, finite, x_amax)
 
     def resident_for(self, spec: KernelSpec, w: Weights) -> bool:
         """Whether this product's weights are on the GPU already (then launching it costs microseconds)."""
@@ -308,6 +328,17 @@ class CudaBackend:
             return out
         return self._call(run)
 
+
+
+def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
+    """src into dst (pinned staging): a large array in row blocks on several threads (numpy's copy lets the GIL go)."""
+    rows = src.shape[0]
+    if src.nbytes < PARALLEL_COPY_BYTES or rows < COPY_BLOCKS:
+        dst[...] = src
+        return
+    step = -(-rows // COPY_BLOCKS)
+    for f in [_copiers.submit(dst.__setitem__, slice(i, i + step), src[i:i + step]) for i in range(0, rows, step)]:
+        f.result()
 
 
 def copy_rows_out(y_d: cupy.ndarray, parts: list[np.ndarray], outs: list[np.ndarray], stream: cupy.cuda.Stream) -> None:
