@@ -94,3 +94,15 @@ def test_returns_from_the_garbage_collector_and_other_threads_never_deadlock() -
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
     assert pool.held <= 24 * 4 * MiB and len(alloc.sizes) <= 24  # reused, not allocated per product
+
+
+@pytest.mark.parametrize("rows", [1, 3, 257, 1001])
+def test_copy_in_copies_every_row_small_or_in_blocks_on_threads(rows: int) -> None:
+    """copy_in: an array of PARALLEL_COPY_BYTES or more goes in row blocks on several threads; every row lands."""
+    from kernels.cuda.host_memory import PARALLEL_COPY_BYTES, copy_in
+
+    cols = max(8, PARALLEL_COPY_BYTES // 4 // 256)  # 257 rows and more pass the threshold
+    src = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+    dst = np.full((rows + 2, cols), np.nan, np.float32)
+    copy_in(dst[1:-1], src)
+    assert np.array_equal(dst[1:-1], src) and np.isnan(dst[0]).all() and np.isnan(dst[-1]).all()

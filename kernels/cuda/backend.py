@@ -23,6 +23,7 @@ import numpy as np
 from kernels import reference
 from kernels.cpu import Result, Weights
 from kernels.cuda import launch
+from kernels.cuda.host_memory import copy_in
 from kernels.cuda.modules import SOURCES, Modules
 from kernels.errors import DeviceOutOfMemory
 from kernels.registry import KernelSpec
@@ -42,10 +43,6 @@ X_AMAX_ON_DEVICE = 1 << 16
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
 _row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
                                  "fmaxf(a, b)", "y = a", "0.0f", "qgemm_row_amax")
-# X is copied into pinned staging in row blocks on several threads from this size (one core copies ~10 GB/s)
-PARALLEL_COPY_BYTES = 4 << 20
-COPY_BLOCKS = 4
-_copiers = ThreadPoolExecutor(2 * COPY_BLOCKS, thread_name_prefix="qgemm-copy")  # shared by every device's worker
 
 
 class Options(Protocol):
@@ -328,17 +325,6 @@ class CudaBackend:
             return out
         return self._call(run)
 
-
-
-def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
-    """src into dst (pinned staging): a large array in row blocks on several threads (numpy's copy lets the GIL go)."""
-    rows = src.shape[0]
-    if src.nbytes < PARALLEL_COPY_BYTES or rows < COPY_BLOCKS:
-        dst[...] = src
-        return
-    step = -(-rows // COPY_BLOCKS)
-    for f in [_copiers.submit(dst.__setitem__, slice(i, i + step), src[i:i + step]) for i in range(0, rows, step)]:
-        f.result()
 
 
 def copy_rows_out(y_d: cupy.ndarray, parts: list[np.ndarray], outs: list[np.ndarray], stream: cupy.cuda.Stream) -> None:

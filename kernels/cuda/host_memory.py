@@ -1,4 +1,5 @@
-"""Page-locked host buffers that large outputs are copied into straight from the GPU.
+"""Page-locked host buffers that large outputs are copied into straight from the GPU, and the threaded copy of
+activations into pinned staging.
 
 A product's output used to land in the backend's pinned staging buffer and be copied off it (the buffer
 is the next product's).  For an output of tens of MB that copy, into fresh pages the kernel must fault in
@@ -17,12 +18,17 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 MIN_BYTES = 1 << 20  # below this the staging copy costs less than the pool's bookkeeping
 PORTABLE = 1  # cudaHostAllocPortable: pinned for every device's context, not only the allocating one
+# X is copied into pinned memory in row blocks on several threads from this size (one core copies ~10 GB/s)
+PARALLEL_COPY_BYTES = 4 << 20
+COPY_BLOCKS = 4
+_copiers = ThreadPoolExecutor(2 * COPY_BLOCKS, thread_name_prefix="qgemm-copy")  # shared by every device's worker
 
 
 def size_class(nbytes: int) -> int:
@@ -101,3 +107,14 @@ class PinnedOutputs:
             for size, lst in self._free.items():
                 self._held -= size * len(lst)
             self._free.clear()
+
+
+def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
+    """src into dst (pinned staging): a large array in row blocks on several threads (numpy's copy lets the GIL go)."""
+    rows = src.shape[0]
+    if src.nbytes < PARALLEL_COPY_BYTES or rows < COPY_BLOCKS:
+        dst[...] = src
+        return
+    step = -(-rows // COPY_BLOCKS)
+    for f in [_copiers.submit(dst.__setitem__, slice(i, i + step), src[i:i + step]) for i in range(0, rows, step)]:
+        f.result()
