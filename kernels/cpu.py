@@ -38,7 +38,7 @@ class Result:
     timing_ms: dict[str, float] = field(default_factory=dict)
     activations_q8_1: reference.Q8_1 | None = None  # kept for callers that check against the reference
     finite: bool | None = None  # every output value finite, where the backend checked (None: not checked)
-    x_amax: list[float] | None = None  # per part of a product: max|x| of its rows, NaN if any is (None: not measured)
+    x_amax: list[float] | None = None  # per part of a product: max|x| of its rows, not finite if a value is not
 
 
 def _as_is(x: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ Outs = list[np.ndarray | None] | None  # per part of a product: where its rows o
 # products of more than this many activation values report each part's max|x|, measured on the device: the
 # engine then checks X's values from it instead of by two passes over X on the host (Engine.check_values)
 X_AMAX_ON_DEVICE = 1 << 16
-# max|x| of each row, NaN counted as infinity (numpy twin: np.abs(x).max(axis=1), NaN-propagating)
+# max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
 _row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
                                  "fmaxf(a, b)", "y = a", "0.0f", "qgemm_row_amax")
@@ -79,7 +79,7 @@ class Pending:
     layout: str = ""  # the activations' layout (Q8_1 kernels)
     finite_h: np.ndarray | None = None  # the device's "every output value is finite", for large outputs
     amax_h: np.ndarray | None = None  # max|x| per row, measured on the device, for products of large X
-    part_rows: tuple[int, ...] = ()
+    part_rows: tuple[int, ...] = ()  # rows of each part, to give each its own max|x|
 
 
 def cuda_device_count() -> int:
