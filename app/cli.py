@@ -176,7 +176,7 @@ def cmd_cut(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    from kernels.bench import main as bench_main
+    from tools.bench import main as bench_main
 
     return bench_main(args)
 
@@ -184,7 +184,7 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
     import httpx
 
-    from app import loadtest
+    from tools import loadtest
 
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
@@ -214,7 +214,7 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
-    from app.soak import main as soak_main
+    from tools.soak import main as soak_main
 
     return soak_main(args)
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor", action="append", required=True, help="a tensor to keep (repeatable)")
     p = sub.add_parser("bench", help="time every available kernel on the seeds' shapes (needs a GPU)")
     try:
-        from kernels.bench import add_arguments
+        from tools.bench import add_arguments
     except ImportError:  # pragma: no cover
         add_arguments = None
     if add_arguments:

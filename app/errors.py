@@ -13,12 +13,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kernels.errors import DeviceOutOfMemory, InvalidRequest, QgemmError
 from models.store import FileChanged
 
 log = logging.getLogger("qgemm")
 
 
 class ApiError(Exception):
+    """An HTTP answer a route gives about the request itself (its body, headers, parameters)."""
+
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers
@@ -35,6 +38,10 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return JSONResponse(error_body(code, message), status_code=status, headers=headers)
 
 
+# the domain's errors (kernels/errors.py) as HTTP: the one place that maps them
+DOMAIN_STATUS: dict[type[QgemmError], int] = {InvalidRequest: 422, DeviceOutOfMemory: 503}
+RETRY_AFTER = {503: "1"}  # seconds: a GPU out of memory may have room once products in flight end
+
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 422: "unprocessable", 503: "unavailable"}
 
@@ -43,6 +50,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(QgemmError)
+    async def _domain_error(_: Request, exc: QgemmError) -> JSONResponse:
+        status = next((s for cls, s in DOMAIN_STATUS.items() if isinstance(exc, cls)), 500)
+        retry = RETRY_AFTER.get(status)
+        return error_response(status, exc.code, exc.message, {"Retry-After": retry} if retry else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -16,7 +16,7 @@ from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
 from app.settings import Settings
-from models.cache import ByteLRU
+from kernels.cache import ByteLRU
 from models.store import ModelStore
 
 log = logging.getLogger("qgemm")

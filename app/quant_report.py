@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from app.tensors import effective, weights
 from kernels.bnb4 import DEFAULT_BLOCKSIZE
 from kernels.reference import dequantize_weights
 from kernels.requant import Scheme, compare, default_schemes, row_head
@@ -48,8 +49,8 @@ def time_schemes(engine: Any, model: Model, info: TensorInfo, rows: list[dict[st
         if row.get("reason"):
             continue
         scheme = by_tag.get(row["tag"]) if row["weight_format"] != "gguf" else None
-        eff = engine.effective(info, scheme)
-        w = engine.weights(model, info, scheme)
+        eff = effective(info, scheme)
+        w = weights(model, info, scheme)
         row["kernel"], row["gemm_us"] = {}, {}
         for m in ms:
             x = rng.standard_normal((m, k), dtype=np.float32)

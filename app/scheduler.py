@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels.cpu import Result
-from kernels.registry import KernelSpec
+from kernels.kernel import Kernel
+from kernels.types import Result
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Chunk:
 
     rows: np.ndarray  # float32 [m, K]
     context: Any  # what run_batch needs to find the weights (the same for a whole queue)
-    spec: KernelSpec | None  # None: auto, picked by the batch's M
+    spec: Kernel | None  # None: auto, picked by the batch's M
     future: asyncio.Future
     out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
     enqueued: float = field(default_factory=time.perf_counter)
@@ -49,7 +49,7 @@ class BatchAnswer:
     """What one chunk got back from the batch it ran in."""
 
     output: np.ndarray
-    spec: KernelSpec
+    spec: Kernel
     result: Result
     requests: int  # chunks in that batch
     rows: int  # rows in that batch
@@ -60,7 +60,7 @@ class BatchAnswer:
 @dataclass
 class Answer:
     output: np.ndarray
-    spec: KernelSpec
+    spec: Kernel
     result: Result  # the (last) batch's result: backend, activation format, timing
     batch: dict[str, int]  # {"requests", "rows"} of the largest batch this request ran in (+ "chunks" if cut)
     queue_ms: float
@@ -68,8 +68,8 @@ class Answer:
     x_amax: float | None = None  # max|x| of the request's activations, where the device measured every row of it
 
 
-RunBatch = Callable[[Any, KernelSpec | None, list[np.ndarray], bool, list[np.ndarray | None]],
-                   Awaitable[tuple[KernelSpec, Result]]]
+RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None]],
+                   Awaitable[tuple[Kernel, Result]]]
 
 
 class Scheduler:
@@ -92,8 +92,8 @@ class Scheduler:
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
-    async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: KernelSpec | None,
-                     chunk_spec: Callable[[int], KernelSpec], out: np.ndarray | None = None) -> Answer:
+    async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: Kernel | None,
+                     chunk_spec: Callable[[int], Kernel], out: np.ndarray | None = None) -> Answer:
         """Queue X [M, K] under `key` (a tensor); `spec` None is auto.
         `chunk_spec(rows)` names the kernel for a request cut into chunks of `rows`.
         `out` [M, N]: the array the answer's output is written into (no join of chunks then)."""

@@ -22,11 +22,10 @@ import numpy as np
 from gguf import GGUFReader
 
 from app.settings import Settings
-from kernels.bench import activation_step, timed_ms
-from kernels.cuda import launch
 from kernels.cuda.backend import CudaBackend
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
+from tools.bench import activation_step, timed_ms
 
 M = 512
 SECONDS = 3.0
@@ -40,11 +39,11 @@ def bench_pair(backend: CudaBackend, kernel: str, tensor: Any) -> Callable[[], N
     spec, mods = KERNELS[kernel], backend.modules
     type_name, raw = tensor.tensor_type.name, np.asarray(tensor.data)
     n, k = raw.shape[0], int(tensor.shape[0])
-    w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
+    w = spec.weights.make(mods, type_name, raw, n, k)
     x = cupy.asarray(np.random.default_rng(1).standard_normal((M, k)).astype(np.float32))
     prep = activation_step(mods, spec, x, type_name)
     y = cupy.empty((M, n), dtype=cupy.float32)
-    return lambda: launch.launch_gemm(mods, spec, type_name, w, prep(), y, M, n, k)
+    return lambda: spec.launch(mods, type_name, w, prep(), y, M, n, k)
 
 
 def sustained(fn: Callable[[], None]) -> tuple[float, list[list[str]]]:

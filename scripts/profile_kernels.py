@@ -11,7 +11,6 @@ import numpy as np
 from gguf import GGUFReader
 
 from app.settings import Settings
-from kernels.cuda import launch
 from kernels.cuda.modules import Modules
 from kernels.registry import KERNELS
 from models.demo import ensure_demo
@@ -23,21 +22,20 @@ SHAPES = [("mmq", "blk.0.attn_q.weight", 512), ("mmq", "blk.1.ffn_down.weight", 
 def main() -> None:
     demo, _ = ensure_demo(Settings.from_env().models_dir)
     tensors = {t.name: t for t in GGUFReader(demo).tensors}
-    cc = int(cupy.cuda.Device(0).compute_capability)
-    mods = Modules(cc)
+    device = cupy.cuda.Device(0)
+    mods = Modules(int(device.compute_capability), int(device.attributes["MultiProcessorCount"]))
     for kernel, name, m in SHAPES:
         t = tensors[name]
         type_name = t.tensor_type.name
         raw = np.asarray(t.data)
         n, k = raw.shape[0], int(t.shape[0])
         spec = KERNELS[kernel]
-        w = launch.make_layout(mods, spec.weight_layout, type_name, raw, n, k)
+        w = spec.weights.make(mods, type_name, raw, n, k)
         x = cupy.asarray(np.random.default_rng().standard_normal((m, k)).astype(np.float32))
-        layout = launch.activation_layout(spec, type_name)
-        acts = launch.q8_1_buffers(layout, m, k)
-        launch.quantize_into(mods, layout, x, acts)
+        layout = spec.activations_for(type_name)
+        acts = layout.fill(mods, x, layout.buffers(m, k))
         y = cupy.empty((m, n), dtype=cupy.float32)
-        launch.launch_gemm(mods, spec, type_name, w, acts, y, m, n, k)
+        spec.launch(mods, type_name, w, acts, y, m, n, k)
         cupy.cuda.Device().synchronize()
         print(kernel, name, type_name, m, n, k, "ok")
 

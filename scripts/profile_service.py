@@ -14,6 +14,7 @@ import numpy as np
 
 from app.engine import Engine
 from app.settings import Settings
+from app.tensors import weights
 from models.store import ModelStore
 
 N_CALLS = 2000
@@ -29,20 +30,20 @@ def main() -> None:
     engine = Engine(settings)
     x = np.random.default_rng(0).standard_normal((m, info.shape[1])).astype(np.float32)
     spec = engine.choose("auto", info, m)
-    w = engine.weights(model, info)
+    w = weights(model, info)
     cuda = engine.cuda
 
     def backend_only() -> None:
         for _ in range(N_CALLS):
             cuda.run_here(spec, w, [x])
 
-    t = [cuda.submit(lambda: cuda.run_here(spec, w, [x])).result().timing_ms for _ in range(50)][-1]
+    t = [cuda.on_thread(lambda: cuda.run_here(spec, w, [x])).result().timing_ms for _ in range(50)][-1]
     print(f"{spec.name} M={m}: device timing {t}")
     t0 = time.perf_counter()
-    cuda.submit(backend_only).result()
+    cuda.on_thread(backend_only).result()
     print(f"backend run_here on the worker: {(time.perf_counter() - t0) / N_CALLS * 1e6:.1f} us per call")
     prof = cProfile.Profile()
-    cuda.submit(lambda: (prof.enable(), backend_only(), prof.disable())).result()
+    cuda.on_thread(lambda: (prof.enable(), backend_only(), prof.disable())).result()
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
     async def engine_path() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
 
     async def hops() -> None:
         for _ in range(N_CALLS):
-            await asyncio.wrap_future(cuda.submit(lambda: None))
+            await asyncio.wrap_future(cuda.on_thread(lambda: None))
 
     t0 = time.perf_counter()
     asyncio.run(hops())
@@ -59,7 +60,7 @@ def main() -> None:
 
     async def prepare_only() -> None:
         for _ in range(N_CALLS):
-            engine.prepare(model, info, x, "auto")
+            engine.prepare(info, x, "auto")
 
     t0 = time.perf_counter()
     asyncio.run(prepare_only())

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from app.scheduler import Scheduler
-from kernels.cpu import Result
 from kernels.registry import KERNELS
+from kernels.types import Result
 from tests.conftest import make_client
 
 SPEC = KERNELS["ref_q8_1"]
@@ -217,24 +217,21 @@ def test_metrics_count_requests_and_batches(client) -> None:
 
 
 def test_a_lone_product_done_at_launch_still_lets_other_requests_in() -> None:
-    """Engine._on_loop yields to the loop at least once: a product whose last event completed during its own launch
+    """Engine._poll yields to the loop at least once: a product whose last event completed during its own launch
     must not return at once, or a caller submitting again straight away would keep the loop from everyone else."""
     from app.engine import Engine
 
-    class DoneAtLaunch:  # a CudaBackend whose products are finished by the time launch returns
-        events = [None] * 4 + [type("Event", (), {"done": True})()]
+    class DoneAtLaunch:  # a product launched from the loop that had finished by the time its launch returned
+        done = True
 
-        def launch(self, spec, w, parts, outs=None):
-            return parts
-
-        def finish(self, pending):
+        def result(self):
             return "result"
 
     async def main() -> list[str]:
         seen: list[str] = []
         other = asyncio.get_running_loop().call_soon(seen.append, "other")
         for _ in range(3):
-            seen.append(await Engine._on_loop(DoneAtLaunch(), SPEC, None, [np.ones((1, 4))]))
+            seen.append(await Engine._poll(DoneAtLaunch()))
         other.cancel()
         return seen
 

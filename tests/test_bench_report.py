@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.bench import _timing_note
+from tools.bench import _timing_note
 
 
 def test_report_names_kernels_timed_call_by_call() -> None:

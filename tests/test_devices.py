@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from app.engine import parse_devices
 from app.placement import Part, Placement, Placements, first_use, requested, split_rows
-from kernels.cpu import CpuBackend, Weights
+from kernels.cpu import CpuBackend
+from kernels.devices import parse_devices
+from kernels.registry import KERNELS
+from kernels.types import Weights
 from models.store import ModelStore
 from tests.conftest import make_client
 
@@ -82,7 +84,7 @@ def _whole(models_dir: Path, tensor: str) -> tuple[CpuBackend, Weights]:
 def _alone(models_dir: Path, tensor: str, x: np.ndarray, kernel: str) -> np.ndarray:
     """The product on the whole tensor by the CPU backend itself (no service, no devices)."""
     cpu, w = _whole(models_dir, tensor)
-    return cpu.run(kernel, w, x).output
+    return cpu.run(KERNELS[kernel], w, x).output
 
 
 @pytest.fixture(scope="module")

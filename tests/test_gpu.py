@@ -22,11 +22,12 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from app.settings import Settings
+from app.tensors import weights
 from kernels import groups
 from kernels import reference as ref
-from kernels.cpu import Weights
 from kernels.formats import BNB4_TYPES, FORMATS, LEGACY_TYPES
 from kernels.registry import KERNELS
+from kernels.types import Weights
 from models.demo import ensure_demo
 from tests.conftest import stream_seed
 from tests.oracles import assert_matches, prepare, reference_product
@@ -226,19 +227,18 @@ def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Gen
     get resident before the one ahead ends (pdl.py), so each quantize must still wait for the gemv before it."""
     import cupy
 
-    from kernels.cuda import launch
-
     spec, n, k = KERNELS["gemv"], 257, 4096
     raw = weights_bank[(type_name, n, k)]
     xs = [(rng.standard_normal((1, k)) * scale).astype(np.float32) for scale in (1.0, 300.0, 0.003, 20.0)]
     with backend.stream:
-        w = launch.make_layout(backend.modules, spec.weight_layout, type_name, raw, n, k)
-        acts = launch.q8_1_buffers(spec.activation_layout, 1, k)
+        w = spec.weights.make(backend.modules, type_name, raw, n, k)
+        layout = spec.activations_for(type_name)
+        acts = layout.buffers(1, k)
         dx = [cupy.asarray(x) for x in xs]
         ys = [cupy.full((1, n), cupy.nan, dtype=cupy.float32) for _ in xs]
         for x, y in zip(dx, ys, strict=True):
-            launch.quantize_into(backend.modules, spec.activation_layout, x, acts)
-            launch.launch_gemm(backend.modules, spec, type_name, w, acts, y, 1, n, k)
+            layout.fill(backend.modules, x, acts)
+            spec.launch(backend.modules, type_name, w, acts, y, 1, n, k)
         backend.stream.synchronize()
     for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
         want, terms = reference_product(type_name, raw, x, "q8_1_mmvq")
@@ -251,21 +251,19 @@ def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.ran
     calls during stream capture, so kernels/cuda/cublas.py calls it directly.  A replay equals a plain call."""
     import cupy
 
-    from kernels.cuda import launch
-
     spec, (m, n, k) = KERNELS[kernel], (17, 257, 4096)
     if backend.kernel_reason(spec):
         pytest.skip(backend.kernel_reason(spec))
     raw = weights_bank[("Q8_0", n, k)]
     x = rng.standard_normal((m, k)).astype(np.float16 if spec.activation_format == "f16" else np.float32)
     with backend.stream as s:
-        w = launch.make_layout(backend.modules, spec.weight_layout, "Q8_0", raw, n, k)
+        w = spec.weights.make(backend.modules, "Q8_0", raw, n, k)
         xd = cupy.asarray(x)
         want, y = (cupy.full((m, n), cupy.nan, dtype=cupy.float32) for _ in range(2))
-        launch.launch_gemm(backend.modules, spec, "Q8_0", w, xd, want, m, n, k)
+        spec.launch(backend.modules, "Q8_0", w, xd, want, m, n, k)
         s.begin_capture()
         try:
-            launch.launch_gemm(backend.modules, spec, "Q8_0", w, xd, y, m, n, k)
+            spec.launch(backend.modules, "Q8_0", w, xd, y, m, n, k)
         finally:
             graph = s.end_capture()
         graph.launch(s)
@@ -523,7 +521,7 @@ def test_an_output_array_outlives_its_request_until_the_device_wrote_it(gpu_clie
     cuda, name = engine.cuda, "blk.0.ffn_down.weight"
     model = next(m for m in gpu_client.app.state.store.scan() if m.id == "demo")
     info = model.tensors[name]
-    w, spec = engine.weights(model, info), engine.choose("mmq", info, 300)
+    w, spec = weights(model, info), engine.choose("mmq", info, 300)
     refs = []
     for _ in range(2):
         out = engine.outputs.array((300, 4096))

@@ -10,9 +10,9 @@ import pytest
 
 from app.settings import Settings
 from kernels import bnb4
-from kernels.cpu import Weights
 from kernels.reference import dequantize_weights
 from kernels.registry import KERNELS
+from kernels.types import Weights
 from models.store import ModelStore
 from tests.test_gpu import backend  # noqa: F401  (the module's backend fixture)
 
@@ -54,16 +54,17 @@ def test_bnb4_device_dequantize_is_bit_exact(backend, rng: np.random.Generator, 
                                              blocksize: int, dq: bool) -> None:
     import cupy
 
-    from kernels.cuda import launch
+    from kernels.cuda import layouts
+    from kernels.cuda.kernels import dequantize_bnb4
 
     n, k = 77, 640
     t = bnb4.quantize_4bit((rng.standard_normal((n, k)) * 0.05).astype(np.float32), quant_type, blocksize, dq)
 
     def run() -> np.ndarray:
         with backend.stream:
-            arrays = launch.make_layout(backend.modules, "bnb4", quant_type.upper(), t, n, k)
+            arrays = layouts.BNB4.make(backend.modules, quant_type.upper(), t, n, k)
             out = cupy.full((n, k), cupy.nan, dtype=cupy.float32)
-            launch.dequantize_bnb4(backend.modules, quant_type.upper(), arrays, n, k, out)
+            dequantize_bnb4(backend.modules, quant_type.upper(), arrays, n, k, out)
             return out.get()
     got = backend._call(run)
     np.testing.assert_array_equal(got.view(np.uint32), bnb4.dequantize_4bit(t).view(np.uint32))

@@ -51,8 +51,8 @@ def _two_workers(engine: object) -> bool:
     if len(engine.pools["cuda"]) >= 2:
         return False
     s = engine.settings
-    engine.pools["cuda"].append(Worker("cuda", 1, engine._run_batch, s.batch_max_rows, s.batch_wait_us,
-                                       cuda=CudaBackend(s, device=0)))
+    engine.pools["cuda"].append(Worker(CudaBackend(s, device=0), engine._run_batch, s.batch_max_rows,
+                                       s.batch_wait_us))
     return True
 
 

@@ -1,4 +1,4 @@
-"""qgemm against llama.cpp's own products on the same bytes (kernels/parity.py).
+"""qgemm against llama.cpp's own products on the same bytes (tools/parity.py).
 
 tests/data/ggml_parity holds what ggml computed on our H100 (its README says how); every kernel whose
 formula is the one llama.cpp runs at that M, and `auto` at every M, must be within NMSE 1e-9 of it.

@@ -1,4 +1,4 @@
-"""The soak (app/soak.py), CI-sized: a real server under concurrent products, loads and unloads while
+"""The soak (tools/soak.py), CI-sized: a real server under concurrent products, loads and unloads while
 its model file is rewritten in place, renamed over, truncated and deleted every two seconds.  It must
 end with 0 5xx, 0 reset connections, 0 wrong products and flat memory.  QGEMM_SOAK_SECONDS sets the
 length (60 s by default); the 10-minute GPU run is `qgemm soak --backend cuda --clients 32 --seconds 600`
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from app.soak import SoakPlan, passed, soak
+from tools.soak import SoakPlan, passed, soak
 
 SECONDS = float(os.environ.get("QGEMM_SOAK_SECONDS", "60"))
 

@@ -13,7 +13,6 @@ from fastapi.concurrency import run_in_threadpool
 from numpy.lib import format as npformat
 from pydantic import ValidationError
 
-from app.engine import scheme_of
 from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import errors
@@ -27,6 +26,7 @@ from app.schemas import (
     MatmulResponse,
     WeightFormat,
 )
+from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 from models.store import FileChanged, ModelStore, NotFound
 
@@ -186,8 +186,9 @@ async def fast_matmul(request: Request) -> Response:
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str,
                  requant: tuple[str, int, bool] | None = None) -> Response:
     t_request = time.perf_counter()
+    chooser = request.app.state.engine.chooser
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
-        request.app.state.engine.kernel_named(kernel)
+        kernel_obj = chooser.named(kernel)
     ctype = _media(request.headers.get("content-type"))
     if ctype not in (JSON, NPY):
         raise ApiError(415, "unsupported_media_type",
@@ -195,13 +196,15 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     body = await request.body()
     if ctype == JSON:
         req = parse_json(body) if len(body) <= INLINE_BYTES else await run_in_threadpool(parse_json, body)
-        model_id, tensor_name, kernel_name = req.model, req.tensor, req.kernel
+        model_id, tensor_name = req.model, req.tensor
+        kernel_obj = req.kernel if req.kernel == "auto" else chooser.named(req.kernel)
         requant = (req.weight_format, req.blocksize, req.double_quant)
     else:
         if not model or not tensor:
             raise ApiError(400, "bad_request", ".npy bodies need the model and tensor as query parameters "
                                                "(?model=...&tensor=...)")
-        model_id, tensor_name, kernel_name = model, tensor, kernel
+        model_id, tensor_name = model, tensor
+        kernel_obj = kernel if kernel == "auto" else kernel_obj
     scheme = scheme_of(*requant) if requant else None
     state = request.app.state
     x = None
@@ -217,7 +220,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                 x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
                     else await run_in_threadpool(rows_to_array, req.activations)
         try:
-            answer = await state.engine.matmul(mdl, info, x, kernel_name, scheme)
+            answer = await state.engine.matmul(mdl, info, x, kernel_obj, scheme)
             break
         except FileChanged:
             if attempt:

@@ -7,7 +7,6 @@ from typing import Any
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
-from app.engine import scheme_of
 from app.errors import ApiError
 from app.openapi import errors
 from app.quant_report import METHOD, error_rows, time_schemes
@@ -25,6 +24,7 @@ from app.schemas import (
     UnloadRequest,
     UnloadResponse,
 )
+from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES
 from kernels.formats import format_of
 from models import inspect
@@ -216,9 +216,7 @@ async def load_model(request: Request, model_id: ModelId,
         info = model.tensors.get(n)
         if info is None:
             raise ApiError(404, "tensor_not_found", f"tensor {n!r} not found in model {model_id!r}")
-        if info.matmul_reason:
-            raise ApiError(422, "unsupported_tensor", info.matmul_reason)
-        infos.append(info)
+        infos.append(info)  # one that cannot be multiplied: a 422 from the engine, before anything loads
     scheme = scheme_of(body.weight_format, body.blocksize, body.double_quant) if body else None
     loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None, scheme, devices,
                                      body.placement if body else None, backend)

@@ -1,6 +1,6 @@
-"""The CUDA backend of one GPU: a worker thread that owns the device's stream, compiled modules and
-resident weights, so that concurrent requests never race on device state.  A host with several GPUs runs
-one of these per device (app/workers.py); calls from other threads (the event loop's launches) enter
+"""The CUDA backend of one GPU (a Backend, kernels/backend.py): a worker thread that owns the device's stream,
+compiled modules and resident weights, so that concurrent requests never race on device state.  A host with
+several GPUs runs one of these per device; calls from other threads (the event loop's inline launches) enter
 the device's context first.
 
 A request is: weights from the resident store (uploaded on first use), activations uploaded,
@@ -21,21 +21,20 @@ import cupy
 import numpy as np
 
 from kernels import reference
-from kernels.cpu import Result, Weights
-from kernels.cuda import launch
+from kernels.backend import Outs
 from kernels.cuda.host_memory import copy_in
+from kernels.cuda.layouts import ACTIVATIONS, ActivationLayout
 from kernels.cuda.modules import SOURCES, Modules
+from kernels.cuda.resident import ResidentWeights, is_oom
 from kernels.errors import DeviceOutOfMemory
-from kernels.registry import KernelSpec
-from models.resident import ResidentWeights, is_oom
+from kernels.kernel import Kernel
+from kernels.types import Result, Weights
 
 log = logging.getLogger("qgemm")
 R = TypeVar("R")
-POISON_Q8_1 = 0xAB
 # outputs of at least this many values are checked for NaN/inf on the device (a reduction of microseconds)
 # rather than by the engine on the host (a pass over the output on the event loop: 10 ms at 15M values)
 FINITE_ON_DEVICE = 1 << 18
-Outs = list[np.ndarray | None] | None  # per part of a product: where its rows of Y go (None: the staging path)
 # products of more than this many activation values report each part's max|x|, measured on the device: the
 # engine then checks X's values from it instead of by two passes over X on the host (Engine.check_values)
 X_AMAX_ON_DEVICE = 1 << 16
@@ -70,13 +69,13 @@ class Staging:
 @dataclass
 class Pending:
     """A product enqueued by `CudaBackend.launch`, waiting for its last event."""
-    spec: KernelSpec
+    spec: Kernel
     m: int
     k: int
     y_h: np.ndarray | None  # None: the rows went straight into the callers' output arrays
     acts: Any
     weights_ms: float
-    layout: str = ""  # the activations' layout (Q8_1 kernels)
+    layout: ActivationLayout
     finite_h: np.ndarray | None = None  # the device's "every output value is finite", for large outputs
     amax_h: np.ndarray | None = None  # max|x| per row, measured on the device, for products of large X
     part_rows: tuple[int, ...] = ()  # rows of each part, to give each its own max|x|
@@ -93,11 +92,26 @@ def cuda_device_present() -> bool:
     return cuda_device_count() > 0
 
 
+class Launched:
+    """A product launched from the caller's thread (`CudaBackend.launch_inline`): done when its last event is."""
+
+    def __init__(self, backend: CudaBackend, pending: Pending):
+        self._backend, self._pending = backend, pending
+
+    @property
+    def done(self) -> bool:
+        return bool(self._backend.events[4].done)
+
+    def result(self) -> Result:
+        return self._backend.finish(self._pending)
+
+
 class CudaBackend:
     name = "cuda"
 
     def __init__(self, settings: Options, sources: tuple[str, ...] = SOURCES, device: int = 0):
         self.device_id = device
+        self.label = f"cuda:{device}"
         self._device = cupy.cuda.Device(device)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"qgemm-gpu{device}")
         self._closed = threading.Event()
@@ -121,7 +135,7 @@ class CudaBackend:
         budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
         self.total_memory = int(total)
         self.resident = ResidentWeights(budget)
-        self.modules = Modules(self.cc, sources, dependent_launch=settings.dependent_launch)
+        self.modules = Modules(self.cc, self.sm_count, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
         log.info("CUDA %d: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_id,
@@ -133,11 +147,30 @@ class CudaBackend:
             raise RuntimeError("the CUDA backend is closed")
         return self._pool.submit(fn).result()
 
-    def submit(self, fn: Callable[[], R]) -> Future[R]:
-        """Run fn on the worker thread without waiting (the service's scheduler awaits the future)."""
+    def on_thread(self, fn: Callable[[], R]) -> Future[R]:
+        """Run fn on the worker thread without waiting (tools and tests that touch device state)."""
         if self._closed.is_set():
             raise RuntimeError("the CUDA backend is closed")
         return self._pool.submit(fn)
+
+    def submit(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None) -> Future[Result]:
+        """The product on the worker thread, without waiting (the service's scheduler awaits the future)."""
+        if self._closed.is_set():
+            raise RuntimeError("the CUDA backend is closed")
+        return self._pool.submit(self.run_here, kernel, w, parts, False, False, outs)
+
+    def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None
+                      ) -> Launched | None:
+        """A product on resident weights enqueued from the calling thread (a launch costs microseconds, a thread
+        round trip more); None where the weights are not resident or the launch failed (then `submit` it: the
+        worker thread has the out-of-memory retry)."""
+        if not self.resident.has(w.key, w.layout_key(kernel.weights.name)):
+            return None
+        try:
+            return Launched(self, self.launch(kernel, w, parts, outs=outs))
+        except Exception as exc:
+            log.debug("launch on the calling thread failed (%s); the worker thread runs it", exc)
+            return None
 
     def close(self) -> None:
         if not self._closed.is_set():
@@ -150,30 +183,34 @@ class CudaBackend:
     def compile_ms(self) -> float:
         return self.modules.compile_ms
 
-    def kernel_reason(self, spec: KernelSpec) -> str | None:
-        entry = launch.LAUNCHERS.get(spec.name)
-        if entry is None:
-            return "no launcher for this kernel"
-        src = entry.source
+    def kernel_reason(self, kernel: Kernel) -> str | None:
+        """Why `kernel` cannot run on this GPU (its compute capability, a source that did not compile), or None;
+        CPU kernels run beside it."""
+        if kernel.backend != "cuda":
+            return None
+        reason = kernel.device_reason(self.cc)
+        if reason is not None:
+            return reason
+        src = kernel.source  # type: ignore[attr-defined]
         if src in self.modules.errors:
             return f"{src} failed to compile: {self.modules.errors[src]}"
         if src not in self.modules.modules:
             return f"{src} is not built by this server"
         return None
 
-    def auto(self, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+    def auto(self, type_name: str, m: int, n: int, k: int) -> Kernel | None:
         from kernels.tuning import pick
 
         return pick(self, type_name, m, n, k)
 
     # -- weights ----------------------------------------------------------------------------------
-    def _weights(self, spec: KernelSpec, w: Weights) -> tuple[dict, float]:
-        layout = spec.weight_layout
-        nbytes = launch.layout_nbytes(layout, w.type_name, w.n, w.k)
-        return self.resident.get(w.key, w.layout_key(layout), nbytes,
-                                 lambda: launch.make_layout(self.modules, layout, w.type_name, w.raw(), w.n, w.k))
+    def _weights(self, spec: Kernel, w: Weights) -> tuple[dict, float]:
+        layout = spec.weights
+        nbytes = layout.nbytes(w.type_name, w.n, w.k)  # type: ignore[attr-defined]
+        return self.resident.get(w.key, w.layout_key(layout.name), nbytes,
+                                 lambda: layout.make(self.modules, w.type_name, w.raw(), w.n, w.k))  # type: ignore[attr-defined]
 
-    def load(self, spec: KernelSpec, w: Weights) -> int:
+    def load(self, spec: Kernel, w: Weights) -> int:
         def run() -> int:
             with self.stream:
                 arrays, _ = self._weights(spec, w)
@@ -188,19 +225,26 @@ class CudaBackend:
     def forget(self, version_key: Hashable) -> None:
         """Free a file version's weights, after the product in flight (on the worker thread, so that no
         upload that began before can land after), without waiting."""
-        if not self._closed.is_set():
+        if self._closed.is_set():
+            return
+        try:
             self._pool.submit(lambda: self.resident.unload(lambda key: key[0] == version_key))  # type: ignore[index]
+        except RuntimeError:  # shutting down: the thread is gone, and the memory with it
+            pass
 
     def memory(self) -> tuple[int, int]:
         """(weight bytes resident, the budget)."""
         return sum(size for _, _, size in self.resident.entries()), self.resident.budget
 
+    def entries(self) -> list[tuple[Hashable, str, int]]:
+        return self.resident.entries()
+
     # -- a matmul ---------------------------------------------------------------------------------
-    def run(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
+    def run(self, spec: Kernel, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
             keep_q8_1: bool = False, outs: Outs = None) -> Result:
         return self._call(lambda: self.run_here(spec, w, x, poison, keep_q8_1, outs))
 
-    def run_here(self, spec: KernelSpec, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
+    def run_here(self, spec: Kernel, w: Weights, x: np.ndarray | list[np.ndarray], poison: bool = False,
                  keep_q8_1: bool = False, outs: Outs = None) -> Result:
         """On the worker thread: X (or its row blocks, stacked as they are copied in) times W.  With `outs` (an
         array per block, pinned: kernels/cuda/host_memory.py) each block's rows of Y are copied into its array
@@ -225,20 +269,20 @@ class CudaBackend:
                                             f"N={w.n}, K={w.k}") from None
                 raise
 
-    def _run(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool,
+    def _run(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool,
              keep_q8_1: bool, outs: Outs) -> Result:
         pending = self.launch(spec, w, parts, poison, outs)
         self.events[4].synchronize()  # the one synchronization of a product (or a batch)
         return self.finish(pending, keep_q8_1)
 
-    def launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool = False,
+    def launch(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool = False,
                outs: Outs = None) -> Pending:
         """Enqueue a product on the stream (copies in, quantize, GEMM, copy out) and return at once;
         `events[4]` completes with it.  One product at a time: the staging buffers are its own."""
         with self._device:  # a no-op on the worker thread; the event loop's thread may be on another device
             return self._launch(spec, w, parts, poison, outs)
 
-    def _launch(self, spec: KernelSpec, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
+    def _launch(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
         x_h = self.staging.array("x", (m, k), np.float32)
         row = 0
@@ -254,22 +298,16 @@ class CudaBackend:
             x_d = cupy.empty((m, k), dtype=cupy.float32)  # from CuPy's pool: no cudaMalloc once warm
             x_d.set(x_h, stream=s)
             ev[1].record(s)
-            acts: Any
-            layout = ""
-            if spec.quantizes:
-                layout = launch.activation_layout(spec, w.type_name)
-                acts = launch.q8_1_buffers(layout, m, k)
-                if poison:
-                    for buf in acts.values() if isinstance(acts, dict) else [acts]:
-                        buf.view(cupy.uint8).fill(POISON_Q8_1)
-                launch.quantize_into(self.modules, layout, x_d, acts)
-            else:
-                acts = launch.float_activations(self.modules, spec.activation_format, x_d)
+            layout = spec.activations_for(w.type_name)
+            bufs = layout.buffers(m, k)
+            if poison and layout.quantized:
+                layout.poison(bufs)
+            acts = layout.fill(self.modules, x_d, bufs)  # type: ignore[attr-defined]
             ev[2].record(s)
             y_d = cupy.empty((m, n), dtype=cupy.float32)
             if poison:
                 y_d.fill(cupy.nan)
-            launch.launch_gemm(self.modules, spec, w.type_name, arrays, acts, y_d, m, n, k)
+            spec.launch(self.modules, w.type_name, arrays, acts, y_d, m, n, k)  # type: ignore[attr-defined]
             ev[3].record(s)
             finite_h = amax_h = None
             if m * k > X_AMAX_ON_DEVICE:
@@ -292,9 +330,9 @@ class CudaBackend:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
         ev = self.events
         q8_1 = None
-        if keep_q8_1 and pending.spec.quantizes:
+        if keep_q8_1 and pending.layout.quantized:
             with self._device, self.stream:
-                q8_1 = launch.q8_1_to_host(pending.acts, pending.m, pending.k, pending.layout)
+                q8_1 = pending.layout.to_host(pending.acts, pending.m, pending.k)
         y = None if pending.y_h is None else pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
@@ -306,21 +344,17 @@ class CudaBackend:
             x_amax = [float(pending.amax_h[e - rows:e].max()) for rows, e in zip(pending.part_rows, ends, strict=True)]
         return Result(y, self.name, pending.spec.activation_format, timing, q8_1, finite, x_amax)
 
-    def resident_for(self, spec: KernelSpec, w: Weights) -> bool:
-        """Whether this product's weights are on the GPU already (then launching it costs microseconds)."""
-        return self.resident.has(w.key, w.layout_key(spec.weight_layout))
-
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
-        """The device's Q8_1 of x in an activation layout ("blocks", "split", "mmq_d4" or "mmq_ds4"; for tests)."""
+        """The device's Q8_1 of x in an activation layout ("blocks", "split", "mmq_d4", "mmq_ds4", ...; for tests)."""
+        lay = ACTIVATIONS[layout]
 
         def run() -> reference.Q8_1:
             with self.stream as s:
                 x_d = cupy.asarray(np.ascontiguousarray(x, dtype=np.float32))
-                acts = launch.q8_1_buffers(layout, *x.shape)
-                for buf in acts.values() if isinstance(acts, dict) else [acts]:
-                    buf.view(cupy.uint8).fill(POISON_Q8_1)
-                launch.quantize_into(self.modules, layout, x_d, acts)
-                out = launch.q8_1_to_host(acts, *x.shape, layout)
+                bufs = lay.buffers(*x.shape)
+                lay.poison(bufs)
+                lay.fill(self.modules, x_d, bufs)
+                out = lay.to_host(bufs, *x.shape)
                 s.synchronize()
             return out
         return self._call(run)

@@ -62,9 +62,9 @@ def compile_module(name: str, cc: int) -> cupy.RawModule:
 
 
 class Modules:
-    """One compiled RawModule per source; `errors` holds the sources that failed to compile."""
+    """One compiled RawModule per source for one device; `errors` holds the sources that failed to compile."""
 
-    def __init__(self, cc: int, sources: tuple[str, ...] = SOURCES, dependent_launch: bool = True):
+    def __init__(self, cc: int, sm_count: int, sources: tuple[str, ...] = SOURCES, dependent_launch: bool = True):
         self.dependent_launch = dependent_launch and pdl.available(cc)  # see pdl.py
         self.modules: dict[str, cupy.RawModule] = {}
         self.errors: dict[str, str] = {}
@@ -76,7 +76,7 @@ class Modules:
             except Exception as exc:  # keep the other modules usable; the registry reports why
                 self.errors[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
         self.compile_ms = (time.perf_counter() - t0) * 1e3
-        self.sm_count = int(cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
+        self.sm_count = sm_count  # of the device they were compiled for: grid sizes read it
 
     def function(self, source_name: str, name: str) -> cupy.RawKernel:
         fn = self._functions.get(name)

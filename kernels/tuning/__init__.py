@@ -10,11 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kernels.registry import KERNELS, KernelSpec, llama_formula
+from kernels.kernel import Kernel
+from kernels.registry import KERNELS, llama_formula
 
 TABLE = Path(__file__).with_name("table.json")
-FALLBACK_SMALL_M = ("gemv", "gemv_rows", "vec_dp4a", "tiled_dp4a", "bnb4_gemv")  # M <= 8: stream the weights
-FALLBACK_LARGE_M = ("mmq", "mmq_wgmma", "bnb4_dequant")  # reuse weights from shared memory
 
 
 @lru_cache(maxsize=1)
@@ -25,7 +24,7 @@ def load_table() -> dict[str, Any]:
         return {"entries": []}
 
 
-def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> Kernel | None:
     spec = KERNELS.get(name)
     if spec is None or spec.backend != "cuda" or spec.activation_format != llama_formula(m, type_name):
         return None  # auto answers what llama.cpp answers at this M: only kernels of its formula
@@ -34,7 +33,7 @@ def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> 
     return spec
 
 
-def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> KernelSpec | None:
+def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> Kernel | None:
     entries = [e for e in load_table().get("entries", []) if e["type"] == type_name]
     if entries:
         def distance(e: dict[str, Any]) -> tuple[float, float]:
@@ -45,7 +44,10 @@ def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> KernelSpec | N
                 spec = _usable(backend, name, type_name, m, n, k)
                 if spec is not None:
                     return spec
-    for name in (*(FALLBACK_SMALL_M if m <= 8 else FALLBACK_LARGE_M), *KERNELS):  # then any of the formula
+    # shapes the table lacks: the kernels' own ranks (streaming kernels first: they are the ones of M <= 8's
+    # formula), then any kernel of the formula
+    ranked = sorted((s for s in KERNELS.values() if s.auto_rank is not None), key=lambda s: s.auto_rank)
+    for name in (*(s.name for s in ranked), *KERNELS):
         spec = _usable(backend, name, type_name, m, n, k)
         if spec is not None:
             return spec
@@ -87,11 +89,11 @@ def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
 
 
 def peak_int8_tops(cupy: Any, mods: Any) -> float:
-    """Int8 tensor-core ceiling from a plain mma.sync loop (dense ops: 2*16*8*32 per mma per warp)."""
+    """Int8 tensor-core ceiling from a plain mma.sync loop (dense ops: 2*16*8*32 per mma per warp), on the
+    device `mods` was compiled for."""
     import statistics
 
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    blocks, threads, iters = int(props["multiProcessorCount"]) * 4, 256, 4096
+    blocks, threads, iters = mods.sm_count * 4, 256, 4096
     out = cupy.empty(blocks * threads, dtype=cupy.int32)
     fn = mods.function("peak.cu", "mma_peak")
     fn((blocks,), (threads,), (out, cupy.int32(iters)))

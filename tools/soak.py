@@ -36,11 +36,11 @@ import numpy as np
 import orjson
 from gguf import GGMLQuantizationType
 
-from app.loadtest import Connection, request_bytes
 from kernels import reference as ref
 from kernels.formats import mmq_ds_layout
 from models.demo import write_gguf
 from models.store import ModelStore
+from tools.loadtest import Connection, request_bytes
 
 Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
 # the versions of soak's tensor w: (type, [N, K]); the last has the first's size (only the mtime tells them apart)

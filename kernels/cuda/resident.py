@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from kernels.cache import ByteLRU
 from kernels.errors import DeviceOutOfMemory
-from models.cache import ByteLRU
 
 Layout = dict[str, Any]  # name -> cupy.ndarray
 

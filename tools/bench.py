@@ -135,24 +135,9 @@ def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[]
     """The activation work timed with each GEMM (llama.cpp's times include it): Q8_1 quantization into the
     kernel's layout, the fp16 / bf16 cast of the cuBLAS kernels, or nothing.  Buffers are made here, beforehand:
     graphs cannot allocate."""
-    from kernels.cuda import launch
-
-    m, k = x.shape
-    if spec.quantizes:
-        layout = launch.activation_layout(spec, type_name)
-        acts = launch.q8_1_buffers(layout, m, k)
-
-        def quantize() -> Any:
-            launch.quantize_into(mods, layout, x, acts)
-            return acts
-        return quantize
-    if spec.activation_format in ("f16", "bf16"):
-        out = launch.float_activations(mods, spec.activation_format, x)  # allocated here, then written in place
-
-        def cast() -> Any:
-            return launch.float_activations(mods, spec.activation_format, x, out)
-        return cast
-    return lambda: x
+    layout = spec.activations_for(type_name)
+    bufs = layout.buffers(*x.shape)
+    return lambda: layout.fill(mods, x, bufs)
 
 
 def bnb_us(values: Any, quant_type: str, x: Any, rotate_bytes: int, reps: int) -> float | None:
@@ -204,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gguf import GGUFReader
 
     from app.settings import Settings
-    from kernels.cuda import launch
+    from kernels.cuda import layouts
     from kernels.cuda.backend import CudaBackend
     from kernels.formats import BNB4_TYPES
     from kernels.reference import dequantize_weights
@@ -243,16 +228,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         raw = requantize(values, Scheme(type_name.lower()))
                     n = raw.shape[0]
                     wbytes = raw.nbytes
-                    w32 = launch.make_layout(mods, "f32", type_name, raw, n, k)["w"].astype(cupy.float64)
-                    layouts: dict[str, list[dict]] = {}
+                    w32 = layouts.F32.make(mods, type_name, raw, n, k)["w"].astype(cupy.float64)
+                    made: dict[str, list[dict]] = {}  # each weight layout's rotating copies
                     for name in names:
-                        lay = KERNELS[name].weight_layout
-                        if type_name in KERNELS[name].weight_types and lay not in layouts:
-                            one = launch.make_layout(mods, lay, type_name, raw, n, k)
+                        lay = KERNELS[name].weights
+                        if type_name in KERNELS[name].weight_types and lay.name not in made:
+                            one = lay.make(mods, type_name, raw, n, k)
                             size = sum(int(a.nbytes) for a in one.values())
                             copies = max(2, math.ceil(3 * backend.l2_bytes / size))
                             more = [{key: a.copy() for key, a in one.items()} for _ in range(copies - 1)]
-                            layouts[lay] = [one, *more]
+                            made[lay.name] = [one, *more]
                     for m in ms_list:
                         rng = np.random.default_rng()
                         x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float32))
@@ -262,17 +247,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             spec = KERNELS[name]
                             if spec.can_run(type_name, m, n, k, backend.cc):
                                 continue
-                            copies = layouts[spec.weight_layout]
+                            copies = made[spec.weights.name]
                             prep = activation_step(mods, spec, x, type_name)
                             acts = prep()
 
                             def gemm(i: int, spec=spec, copies=copies, acts=acts, y=y, t=type_name, m=m, n=n,
                                      k=k) -> None:
-                                launch.launch_gemm(mods, spec, t, copies[i], acts, y, m, n, k)
+                                spec.launch(mods, t, copies[i], acts, y, m, n, k)
 
                             def pair(i: int, spec=spec, copies=copies, y=y, t=type_name, m=m, n=n, k=k,
                                      prep=prep) -> None:
-                                launch.launch_gemm(mods, spec, t, copies[i], prep(), y, m, n, k)
+                                spec.launch(mods, t, copies[i], prep(), y, m, n, k)
 
                             y.fill(cupy.nan)
                             gemm(0)
@@ -303,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 if (r["type"], r["K"], r["M"]) == (type_name, k, m):
                                     r["bitsandbytes_us"] = theirs
                             print(f"{type_name} K={k:<5} M={m:<4} bitsandbytes {theirs} µs", flush=True)
-                    del layouts, w32
+                    del made, w32
                     cupy.get_default_memory_pool().free_all_blocks()
         return {"bw": bw, "peak": peak}
 

@@ -6,7 +6,7 @@ block bytes), the activations (x.f32) and what `ggml_mul_mat` computed on the CU
 (TYPE.M.y.f32).  This module runs every kernel here on those bytes (the CPU references always, the
 CUDA kernels when a GPU is present) and reports the NMSE of each product against ggml's:
 
-    python -m kernels.parity OUTDIR [--k 4096] [--json parity.json]
+    python -m tools.parity OUTDIR [--k 4096] [--json parity.json]
 
 llama.cpp computes one formula at a given M (`registry.llama_formula`): a kernel is held to ggml's
 product (target NMSE <= 1e-9) where the formula it declares is that one, and `auto` everywhere.
@@ -26,9 +26,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from kernels import reference as ref
-from kernels.cpu import CpuBackend, Weights
+from kernels.cpu import CpuBackend
 from kernels.formats import FORMATS
-from kernels.registry import CPU_REFERENCE, KERNELS, KernelSpec, llama_formula
+from kernels.registry import llama_formula
+from kernels.select import KernelChooser
+from kernels.types import Weights
 
 TARGET = 1e-9
 
@@ -85,6 +87,7 @@ def ggml_outputs(outdir: Path, k: int) -> dict[str, tuple[np.ndarray, np.ndarray
 def compare(outdir: Path, k: int, cuda: Any = None) -> list[Row]:
     """Every kernel that can run each (type, M) of the run, and `auto`, against ggml's product."""
     cpu = CpuBackend(1 << 30)
+    chooser = KernelChooser(cuda)
     rows: list[Row] = []
     for tname, (raw, x, ys) in ggml_outputs(outdir, k).items():
         n = raw.shape[0]
@@ -92,14 +95,12 @@ def compare(outdir: Path, k: int, cuda: Any = None) -> list[Row]:
         for m, want in ys.items():
             xm = np.ascontiguousarray(x[:m])
             lf = llama_formula(m, tname)
-            cc = cuda.cc if cuda is not None else None
-            specs: list[KernelSpec] = [s for s in KERNELS.values() if s.can_run(tname, m, n, k, cc) is None
-                                       and (s.backend == "cpu" or cuda.kernel_reason(s) is None)]
-            auto = (cuda.auto(tname, m, n, k) if cuda is not None else None) or KERNELS[CPU_REFERENCE[lf]]
-            for label, spec in [("auto", auto), *((s.name, s) for s in specs)]:
-                y = cpu.run(spec.name, w, xm).output if spec.backend == "cpu" else \
+            auto = chooser.auto(tname, m, n, k)
+            for label, spec in [("auto", auto), *((s.name, s) for s in chooser.runnable(tname, m, n, k))]:
+                y = cpu.run(spec, w, xm).output if spec.backend == "cpu" else \
                     cuda.run(spec, w, xm, poison=True).output
                 rows.append(Row(tname, m, n, k, label, spec.name, spec.activation_format, lf, ref.nmse(y, want)))
+    cpu.close()
     return rows
 
 
@@ -115,7 +116,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.parity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.parity", description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", type=Path, help="a ../shared/ggml-parity/run.sh output folder")
     p.add_argument("--k", type=int, default=4096, help="K of the run (run.sh's default 4096)")
     p.add_argument("--json", type=Path, help="write the rows here too")

@@ -1,0 +1,57 @@
+"""A request's activations checked against the tensor they multiply: shape, then values (finite, and within
+Q8_1's range for the kernels that quantize them).  Each check raises the domain's InvalidRequest."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels.errors import InvalidRequest
+from kernels.formats import format_of
+from kernels.kernel import Kernel
+from kernels.reference import q8_1_overflow
+from models.store import TensorInfo
+
+
+def check_shape(x: np.ndarray, info: TensorInfo, max_rows: int) -> None:
+    if x.ndim != 2:
+        raise InvalidRequest(f"activations must be a 2-D [M, K] array; got {x.ndim}-D {list(x.shape)}", "bad_shape")
+    m, k = x.shape
+    if m < 1 or k < 1:
+        raise InvalidRequest(f"activations must have at least one row and column; got {list(x.shape)}", "bad_shape")
+    if m > max_rows:
+        raise InvalidRequest(f"M={m} rows exceed the limit of {max_rows} (QGEMM_MAX_ROWS)", "too_many_rows")
+    n, kw = info.shape
+    if k != kw:
+        raise InvalidRequest(f"activations have K={k} columns but {info.name} is [{n}, {kw}]: K must be {kw}",
+                             "k_mismatch")
+
+
+def check_values(info: TensorInfo, x: np.ndarray, x32: np.ndarray, auto: bool, spec: Kernel,
+                 amax: float | None = None) -> None:
+    """X's values: finite, and in the range of the Q8_1 kernels that may run it (`auto`: any kernel its batch may
+    pick); `amax`: max|x32| where a device measured it (NaN and inf propagate), else computed here."""
+    if amax is None:
+        with np.errstate(invalid="ignore"):
+            amax = max(float(x32.max()), -float(x32.min()))  # one value says it all: NaN and inf propagate
+    if not math.isfinite(amax):
+        bad = np.argwhere(~np.isfinite(x))
+        if len(bad):
+            raise InvalidRequest(f"activations contain NaN or infinity (first at row {bad[0][0]}, column "
+                                 f"{bad[0][1]})", "non_finite")
+        raise InvalidRequest("activations overflow float32 (|x| > 3.4e38)", "non_finite")
+    fmt = format_of(info.type_name)
+    if spec.quantizes or (auto and fmt is not None and fmt.quantizes_activations):
+        # auto may pick a Q8_1 kernel at any batch M
+        overflow = q8_1_overflow(x32, uses_sum=fmt is not None and fmt.uses_activation_sum, amax=amax)
+        if overflow is not None:
+            raise InvalidRequest(f"activations out of range for {spec.name}: {overflow}", "activation_out_of_range")
+
+
+def check_output(y: np.ndarray) -> None:
+    """A product that overflowed float32 (where the device did not check it already)."""
+    if not np.isfinite(y).all():
+        r, c = (int(v) for v in np.argwhere(~np.isfinite(y))[0])
+        raise InvalidRequest(f"the product overflows float32 (first at row {r}, column {c}): scale the activations "
+                             "down", "product_out_of_range")

@@ -1,0 +1,335 @@
+"""The CUDA kernels, one object each: what it runs, the .cu source it needs, the layouts it reads, and its launch
+(grid, block, arguments) on the current stream.  Registering the object is all it takes to serve it.
+
+Importable without CuPy: a machine without a GPU lists these kernels with the reason they cannot run there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kernels.cuda import layouts as L
+from kernels.cuda.launch import (
+    I32,
+    I64,
+    MMQ16_SMEM,
+    MMQ16_SMEM_MIN,
+    MMQ_BM,
+    MMQ_BN,
+    MMQ_SMEM,
+    MMQ_SMEM_MIN,
+    MMQ_THREADS,
+    MMQ_WGMMA_SMEM,
+    cdiv,
+    mmq_splits,
+    mmq_tiles,
+)
+from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
+from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QUANT_TYPES, format_of
+from kernels.kernel import Device, Kernel
+from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
+
+# the activations a float formula reads (f16_mmvf: fp32, which its kernel rounds itself)
+FLOAT_ACTIVATIONS = {"f32": L.X_F32, "f16": L.X_F16, "bf16": L.X_BF16, "f16_mmvf": L.X_F32}
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CudaKernel(Kernel):
+    backend: ClassVar[Device] = "cuda"
+    source: str  # the .cu file it needs compiled (for cuBLAS: the one holding its activation cast)
+    layout: WeightLayout
+    acts: ActivationLayout | None = None  # None: block_q8_1 records (Q8_1 formulas) or the formula's float
+    weight_types: tuple[str, ...] = LADDER_WEIGHTS
+    min_cc: int = 52
+
+    @property
+    def weights(self) -> WeightLayout:
+        return self.layout
+
+    def activations_for(self, type_name: str) -> ActivationLayout:
+        if self.acts is not None:
+            return self.acts
+        return L.Q8_1_BLOCKS if self.quantizes else FLOAT_ACTIVATIONS[self.activation_format]
+
+    def device_reason(self, cuda_cc: int | None) -> str | None:
+        if cuda_cc is None:
+            return "needs a CUDA GPU through CuPy; this server runs on the CPU backend"
+        if cuda_cc < self.min_cc:
+            return f"needs compute capability {self.min_cc / 10:.1f}; the device has {cuda_cc / 10:.1f}"
+        if self.max_cc is not None and cuda_cc > self.max_cc:
+            return (f"uses instructions of compute capability {self.min_cc / 10:.1f} to {self.max_cc / 10:.1f} only; "
+                    f"the device has {cuda_cc / 10:.1f}")
+        return None
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        """Enqueue Y [M, N] = acts · Wᵀ on the current stream (`mods`: the device's compiled sources)."""
+        raise NotImplementedError
+
+
+# ---- the seeds' ladder, and W4A16 --------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ThreadPerOutput(CudaKernel):
+    entry: str  # the kernel's name in its source, before the type suffix
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        mods.function(self.source, f"{self.entry}_{suffix(type_name)}")(
+            (cdiv(n, 32), cdiv(m, 8)), (32, 8), (w["w"], acts, y, I32(m), I32(n), I32(k)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Tiled(CudaKernel):
+    entry: str
+    tile_m: int
+    tile_n: int
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        mods.function(self.source, f"{self.entry}_{suffix(type_name)}")(
+            (cdiv(n, self.tile_n), cdiv(m, self.tile_m)), (256,), (w["w"], acts, y, I32(m), I32(n), I32(k)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class VecDp4a(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        mods.function(self.source, f"vec_dp4a_{suffix(type_name)}")(
+            (cdiv(n, 4), cdiv(m, 4)), (128,), (w["qs"], w["d"], acts, y, I32(m), I32(n), I32(k)))
+
+
+# ---- float kernels ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Cublas(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import cublas
+
+        cublas.gemm_xwt(acts, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MmvfF16(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.reference import mmvf_block_size
+
+        mods.function(self.source, "mmvf_f16")((n,), (mmvf_block_size(k),), (w["w"], acts, y, I32(n), I32(k)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MmvBf16(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        mods.function(self.source, "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], acts, y, I32(n), I32(k)))
+
+
+# ---- llama.cpp's formulas at speed --------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Mmq(CudaKernel):
+    """mmq (mma.sync, 4 warps) or mmq_wgmma (two warpgroups): the same tiles, layouts and grid; one kernel for
+    every signed weight type (its layouts carry the format), `_min` for formats with a minimum, `mmq16` for a
+    scale per 16 values."""
+
+    entry: str = "mmq"
+    SHAPES: ClassVar[dict[str, tuple[int, int]]] = {  # (threads, dynamic shared memory)
+        "mmq": (MMQ_THREADS, MMQ_SMEM), "mmq_min": (MMQ_THREADS, MMQ_SMEM_MIN), "mmq16": (MMQ_THREADS, MMQ16_SMEM),
+        "mmq16_min": (MMQ_THREADS, MMQ16_SMEM_MIN), "mmq_wgmma": (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)}
+
+    def activations_for(self, type_name: str) -> ActivationLayout:
+        return L.mmq_activations(type_name)
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        splits = mmq_splits(mods.sm_count, m, n, k)
+        stages = mmq_tiles(m, k, MMQ_BM)[1]
+        per = cdiv(stages, splits)  # stages per split
+        splits = cdiv(stages, per)
+        if splits > 1:
+            y.fill(0)
+        grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
+        base, minimum = self.entry, "wm" in w
+        fmt = format_of(type_name)
+        if fmt is not None and fmt.group_values == 16:
+            assert base == "mmq", "mmq_wgmma takes one scale per 32 values only"
+            base = "mmq16"
+        if minimum:
+            assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
+            base += "_min"
+        fn = mods.function(self.source, base)
+        threads, smem = self.SHAPES[base]
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
+        extra = (acts["sa"], w["wm"]) if minimum else ()
+        fn(grid, (threads,), (w["wq"], w["wd"], acts["qs"], acts["dc"], *extra, y, I32(m), I32(n), I32(k), I32(per),
+                              I32(splits > 1)), shared_mem=smem)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Gemv(CudaKernel):
+    """M <= 8 on the split layout: M = 1 a warp per weight row (dp4a), launched dependent on its quantize kernel
+    (pdl.py); 2..8 the skinny int8 MMA, or (`rows_reuse`) the M = 1 stream with each weight block reused for
+    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count."""
+
+    rows_reuse: bool = False
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import pdl
+
+        t, grouped = suffix(type_name), "p0" in w
+        if grouped:  # a grouped format's field planes; unused planes: any pointer, never read
+            planes = tuple(w.get(f"p{i}", w["p0"]) for i in range(5))
+        else:  # formats without fifth bits: any pointer for qh, never read
+            planes = (w["qs"], w["d"], w.get("qh", w["qs"]))
+        rows = (acts["qs"], acts["ds"], y, I32(m), I32(n), I32(k))
+        if m == 1 and (grouped or not self.rows_reuse):  # it may start during the quantize kernel (pdl.py)
+            pdl.launch(mods.function(self.source, f"gemv1_{t}"), (cdiv(n, 8),), (256,),
+                       (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
+        elif grouped or self.rows_reuse:  # grouped formats reuse each decoded sub-block for every row already
+            mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
+        else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA
+            mods.function(self.source, f"skinny1_{t}")((cdiv(n, 16),), (256,), (*planes, *rows))
+
+
+# ---- bitsandbytes' NF4 / FP4 (bnb4.cu) --------------------------------------------------------------
+BNB4_STREAM_ROWS = 4  # bnb4.cu's BNB4_STREAM_ROWS: weight rows a block takes at a time
+BNB4_STREAM_SMEM = 256 * 32 * 8  # its per-lane pair tables
+
+
+def _bnb4_args(type_name: str, w: DeviceArrays, n: int, k: int) -> tuple[str, tuple]:
+    """(the kernels' suffix, their weight arguments) for a bnb4 layout: its blocksize from the count of
+    scales (blocks over the flat N*K values), double quantization when the 8-bit scales are there."""
+    from kernels.bnb4 import BLOCKSIZES
+
+    dq = "qabs" in w
+    blocks = int((w["qabs"] if dq else w["absmax"]).size)
+    bs = next((b for b in BLOCKSIZES if cdiv(n * k, b) == blocks), BLOCKSIZES[-1])
+    z = w["qs"]  # arguments a variant never reads: any pointer
+    args = (w["qs"], w.get("absmax", z), w.get("qabs", z), w.get("absmax2", z), w.get("code8", z),
+            np.float32(w["offset_h"]) if dq else np.float32(0), I32(bs.bit_length() - 1))
+    return f"{type_name.lower()}{'_dq' if dq else ''}", args
+
+
+@cache
+def _stream_grid_cap(fn: Any, threads: int, sm_count: int) -> int:
+    """Blocks of the persistent stream kernel the device holds at once (its resident-block limit times SMs)."""
+    import cupy
+
+    fn.max_dynamic_shared_size_bytes = BNB4_STREAM_SMEM
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, BNB4_STREAM_SMEM)
+    return max(1, per_sm) * sm_count
+
+
+def dequantize_bnb4(mods: Any, type_name: str, w: DeviceArrays, n: int, k: int, out: Any = None) -> Any:
+    """The float32 [N, K] matrix bitsandbytes' dequantize_4bit gives, on the device."""
+    import cupy
+
+    sfx, args = _bnb4_args(type_name, w, n, k)
+    out = cupy.empty((n, k), dtype=cupy.float32) if out is None else out
+    words = n * k // 8
+    mods.function("bnb4.cu", f"dequantize_bnb4_{sfx}")((cdiv(words, 256),), (256,), (*args, out, I64(words)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Bnb4Gemv(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        sfx, args = _bnb4_args(type_name, w, n, k)
+        if m == 1 and k % 32 == 0 and k // 32 <= 512:  # the stream kernel: a thread per 32-value column of K
+            fn = mods.function(self.source, f"gemv_bnb4_stream_{sfx}")
+            threads = 32 * cdiv(k // 32, 32)
+            grid = min(cdiv(n, BNB4_STREAM_ROWS), _stream_grid_cap(fn, threads, mods.sm_count))
+            fn((grid,), (threads,), (*args, acts, y, I32(m), I32(n), I32(k)), shared_mem=BNB4_STREAM_SMEM)
+            return
+        mr = next(r for r in (1, 2, 4, 8) if m <= r)
+        mods.function(self.source, f"gemv_bnb4_{sfx}_{mr}")((cdiv(n, 8),), (256,),
+                                                            (*args, acts, y, I32(m), I32(n), I32(k)))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Bnb4Dequant(CudaKernel):
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import cublas
+
+        cublas.gemm_xwt(acts, dequantize_bnb4(mods, type_name, w, n, k), y)  # a float copy per product
+
+
+# ---- the registered kernels, in the order /v1/kernels lists them ------------------------------------
+register(ThreadPerOutput(
+    name="naive", activation_format="q8_1_mmvq", source="ladder.cu", entry="naive", layout=L.GGUF,
+    description="one thread per output on GGUF blocks, scalar int8 products, the per-block compensation epilogue"))
+register(Tiled(
+    name="tiled", activation_format="q8_1_mmvq", source="ladder.cu", entry="tiled", tile_m=16, tile_n=16,
+    layout=L.GGUF, description="16x16 output tiles; activation and weight blocks staged in shared memory (weights "
+                               "unpacked to int8), scalar products"))
+register(ThreadPerOutput(
+    name="dp4a", activation_format="q8_1_mmvq", source="ladder.cu", entry="dp4a", layout=L.GGUF, min_cc=61,
+    description="one thread per output, __dp4a on packed int8 words"))
+register(Tiled(
+    name="tiled_dp4a", activation_format="q8_1_mmvq", source="ladder.cu", entry="tiled_dp4a", tile_m=64, tile_n=64,
+    layout=L.GGUF, min_cc=61, auto_rank=3,
+    description="64x64 tiles in shared memory, 4x4 outputs per thread, __dp4a"))
+register(VecDp4a(
+    name="vec_dp4a", activation_format="q8_1_mmvq", source="ladder.cu", layout=L.SPLIT, min_cc=61, auto_rank=2,
+    description="a warp per weight row, 16-byte loads of a split quants/scales layout, 4 activation rows per weight "
+                "load, __dp4a"))
+register(ThreadPerOutput(
+    name="w16_naive", activation_format="f32", source="w16.cu", entry="w16_naive", layout=L.GGUF,
+    description="W4A16/W8A16: one thread per output, weights dequantized in the kernel, fp32 activations and math"))
+register(Tiled(
+    name="w16_tiled", activation_format="f32", source="w16.cu", entry="w16_tiled", tile_m=64, tile_n=64,
+    layout=L.GGUF, description="W4A16/W8A16: 64x64 tiles, weights dequantized into shared memory, fp32"))
+register(Cublas(
+    name="cublas_f16", activation_format="f16", source="w16.cu", layout=L.F16, weight_types=(*QUANT_TYPES, "F16"),
+    description="weights dequantized once to fp16 at upload (cached; F16 matrices as they are), activations cast to "
+                "fp16, cuBLAS GemmEx with fp32 accumulation and output (llama.cpp's path for F16 matrices at M > 1, "
+                "which accumulates in half)"))
+register(Cublas(
+    name="cublas_f32", activation_format="f32", source="w16.cu", layout=L.F32, weight_types=WEIGHTS,
+    description="weights dequantized once to fp32 at upload (cached; float matrices cast), cuBLAS SGEMM"))
+register(Cublas(
+    name="cublas_bf16", activation_format="bf16", source="w16.cu", layout=L.BF16, weight_types=("BF16",),
+    description="BF16 matrices as stored, activations rounded to bf16 on the GPU, cuBLAS GemmEx with fp32 "
+                "accumulation and output (llama.cpp's path for BF16 at M > 1)"))
+register(MmvfF16(
+    name="mmvf_f16", activation_format="f16_mmvf", source="w16.cu", layout=L.F16, max_m=1, weight_types=("F16",),
+    description="an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit for bit: a block of "
+                "threads a row summing half2 FMAs of weights and half activations, float butterflies"))
+register(MmvBf16(
+    name="mmv_bf16", activation_format="f32", source="w16.cu", layout=L.BF16, max_m=1, weight_types=("BF16",),
+    description="a BF16 matrix times one fp32 row (llama.cpp's formula at M = 1): a warp per row streaming 16-byte "
+                "loads of bf16 weights, fp32 FMAs, a butterfly"))
+register(Mmq(
+    name="mmq", activation_format="q8_1_mmq", source="fast.cu", layout=L.MMQ, min_cc=80, weight_types=QUANT_TYPES,
+    auto_rank=5,
+    description="llama.cpp's MMQ formula on int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights "
+                "repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout "
+                "the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline (Hopper bulk copies, "
+                "cp.async otherwise), split-K when the grid would leave SMs idle; formats with a minimum (Q4_1, "
+                "Q5_1) keep unsigned weights and add m_w*s_a per block in a third FMA"))
+register(Mmq(
+    name="mmq_wgmma", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_wgmma", layout=L.MMQ, min_cc=90,
+    max_cc=90, weight_types=MMQ_SIGNED_TYPES, auto_rank=6,
+    description="mmq's formula, tiles, layouts and two-FMA epilogue through Hopper's asynchronous wgmma (two "
+                "warpgroups, m64n64k32 per quant block with operands read from shared memory by descriptor; the bias "
+                "made by a second wgmma on constant tiles; one block's epilogue overlapping the next block's MMAs)"))
+register(Gemv(
+    name="gemv", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT, min_cc=80,
+    max_m=8, weight_types=QUANT_TYPES, auto_rank=0,
+    description="M <= 8 on the split weight layout: M = 1 a warp per weight row streaming 16-byte loads with several "
+                "in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
+                "rows x 8 activation rows) with K split across the block's warps"))
+register(Gemv(
+    name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT,
+    min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,
+    description="M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per weight row, several 16-byte "
+                "loads in flight, dp4a) with each weight block reused for every activation row"))
+register(Bnb4Gemv(
+    name="bnb4_gemv", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70, max_m=8,
+    weight_types=BNB4_TYPES, auto_rank=4,
+    description="bitsandbytes' NF4/FP4 (weight_format nf4/fp4) for M <= 8. M = 1 (K a multiple of 32, up to 16384): "
+                "a persistent block per SM streams groups of 4 weight rows with the next group's 16-byte code loads "
+                "in flight, each thread's 32 activations in registers, a byte decoded by one PRMT and an 8-byte "
+                "lookup in a per-lane pair table; else a warp per weight row decoding each 4-byte word once for "
+                "every activation row. fp32 activations and sums, times the block's absmax"))
+register(Bnb4Dequant(
+    name="bnb4_dequant", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70,
+    weight_types=BNB4_TYPES, auto_rank=7,
+    description="bitsandbytes' NF4/FP4 for any M as bitsandbytes runs it: the codes dequantized on the device per "
+                "product (code * absmax, float32) and cuBLAS SGEMM; the weights stay 4-bit"))

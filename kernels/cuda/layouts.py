@@ -1,0 +1,358 @@
+"""The layouts CUDA kernels read, each an object: weight layouts made on the device once from a tensor's bytes
+(and cached per tensor under their name), and activation layouts X is prepared in for every product
+(quantized to Q8_1 in one of llama.cpp's arrangements, or cast to the formula's float).
+
+Importable without CuPy (a CPU machine lists the kernels that read these); only making and filling them
+needs a device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from kernels.cuda.launch import I64, MMQ_BKB, MMQ_BM, MMQ_BN, cdiv, mmq_tiles, quantize_mmq_kernel, quantize_mmq_warps
+from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
+from kernels.kernel import Layout
+
+try:
+    import cupy
+except ImportError:  # a machine without CuPy: the layouts are named, never made
+    cupy = None
+
+Q8_1_BYTES = FORMATS[GGMLQuantizationType.Q8_1].block_bytes
+POISON_Q8_1 = 0xAB  # what Q8_1 buffers are filled with before a test's product: a kernel that reads an unwritten
+# byte gives a wrong answer, never a lucky one
+DEVICE_DEQUANTIZERS = ("Q4_0", "Q8_0")  # w16.cu's dequantize_{f16,f32}_<type>; other types dequantize on the host
+DeviceArrays = dict[str, Any]  # name -> cupy.ndarray
+
+
+def suffix(type_name: str) -> str:
+    """The suffix of a type's kernels in the .cu sources (X-macro instantiations)."""
+    return type_name.lower()
+
+
+# ---- weight layouts ------------------------------------------------------------------------------
+class WeightLayout(Layout):
+    """Weights in the form a family of kernels reads, made on the device from the tensor's bytes."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        """Device bytes it takes (what the budget reserves before the upload)."""
+        raise NotImplementedError
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        """Upload the tensor's bytes and turn them into this layout on the device."""
+        raise NotImplementedError
+
+
+class GgufBlocks(WeightLayout):
+    """The GGUF blocks as stored (the ladder kernels and w16 read whole blocks)."""
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        return n * _format(type_name).row_bytes(k)
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        return {"w": _upload_bytes(raw)}
+
+
+class SplitPlanes(WeightLayout):
+    """The same bytes regrouped into planes: legacy blocks' quants, scales (d or (d, m)) and fifth bits apart
+    (16-byte loads of each), or a grouped format's fields each in its own plane (groups.cuh decodes them)."""
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        return n * _format(type_name).row_bytes(k)
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        if _format(type_name).grouped:
+            from kernels.groups import field_planes
+
+            return {f"p{i}": cupy.asarray(p) for i, p in enumerate(field_planes(type_name, raw))}
+        from kernels.reference import block_fields
+
+        head, qh, qs = block_fields(type_name, raw)
+        planes = {"qs": qs.reshape(-1), "d": head.reshape(-1)}
+        if qh is not None:
+            planes["qh"] = qh.reshape(-1).view(np.uint32)
+        return {name: cupy.asarray(a) for name, a in planes.items()}
+
+
+class MmqTiles(WeightLayout):
+    """Signed (or, with a minimum, unsigned) int8 rows in the core-matrix order fast.cu's mmq copies, and
+    block-major fp32 scales (and minima): llama.cpp's MMQ tiles, made on the host once."""
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        fmt = _format(type_name)
+        h = 2 if fmt.group_values == 16 else 1  # weight scales a block (and minima)
+        per_block = QK + 4 * h * (2 if fmt.has_min or fmt.group_min else 1)
+        return math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * per_block
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        fmt = _format(type_name)
+        kb = k // QK
+        nt, sb = mmq_tiles(n, k, MMQ_BN)
+        rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
+        qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
+        if fmt.grouped:  # the integers and group scales of llama.cpp's MMQ tiles (groups.py)
+            from kernels.groups import decode
+
+            gw = decode(type_name, raw)
+            qp[:n, :k] = gw.q
+            d, mins, h = gw.mmq_scale, gw.mmq_min, QK // gw.group
+        else:
+            from kernels.reference import unpack_blocks
+
+            q, d, mins = unpack_blocks(type_name, raw)
+            qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8; Q4_1: q)
+            h = 1
+
+        def scale_tiles(v: np.ndarray) -> np.ndarray:  # per block, half and row: [tile][stage][block][half][row]
+            full = np.zeros((rows, kbp * h), dtype=np.float32)
+            full[:n, :kb * h] = v.astype(np.float32)
+            t = full.reshape(nt, MMQ_BN, sb, MMQ_BKB * h).transpose(0, 2, 3, 1)
+            return np.ascontiguousarray(t).reshape(-1)
+
+        # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
+        cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
+        out = {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
+        if mins is not None:  # m_w, what the m_w s_a term multiplies by
+            out["wm"] = cupy.asarray(scale_tiles(mins))
+        return out
+
+
+class FloatMatrix(WeightLayout):
+    """The values as fp16, fp32 or bf16 [N, K]: dequantized once on the device (the ladder's types) or on the
+    host (gguf's dequantization; float matrices cast), bf16 only as BF16 matrices store it."""
+
+    DTYPES = {"f16": np.float16, "f32": np.float32, "bf16": np.uint16}  # bf16 as its bits: CuPy has no bfloat16
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        return n * k * np.dtype(self.DTYPES[self.name]).itemsize
+
+    def host_values(self, type_name: str, raw: Any) -> np.ndarray:
+        """The tensor's values in this layout, made on the host."""
+        from kernels.reference import dequantize_weights
+
+        if self.name == "bf16":
+            if type_name != "BF16":
+                raise ValueError(f"the bf16 layout holds BF16 matrices only, not {type_name}")
+            return np.ascontiguousarray(raw).view(np.uint16)
+        return dequantize_weights(type_name, raw).astype(self.DTYPES[self.name])
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        if type_name not in DEVICE_DEQUANTIZERS or self.name == "bf16":
+            return {"w": cupy.asarray(self.host_values(type_name, raw).reshape(n, k))}
+        w = _upload_bytes(raw)
+        out = cupy.empty((n, k), dtype=self.DTYPES[self.name])
+        fn = mods.function("w16.cu", f"dequantize_{self.name}_{suffix(type_name)}")
+        fn((cdiv(n * k, 256),), (256,), (w, out, I64(n * k)))
+        return {"w": out}
+
+
+class Bnb4Codes(WeightLayout):
+    """bitsandbytes' NF4/FP4: the codes as it packs them and its scales (8-bit ones when nested), from a
+    Bnb4Tensor (kernels/bnb4.py)."""
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        return n * k // 2 + cdiv(n * k, 32) * 4  # codes and a float scale per block: at most blocksize 32's
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        from kernels.bnb4 import DYNAMIC_CODE
+
+        arrays = {"qs": cupy.asarray(raw.packed)}
+        if raw.nested is None:
+            arrays["absmax"] = cupy.asarray(raw.absmax)
+        else:
+            arrays.update(qabs=cupy.asarray(raw.nested.q), absmax2=cupy.asarray(raw.nested.absmax2),
+                          code8=cupy.asarray(DYNAMIC_CODE), offset_h=np.float32(raw.nested.offset))
+        return arrays
+
+
+def _format(type_name: str) -> Any:
+    fmt = format_of(type_name)
+    assert fmt is not None, type_name
+    return fmt
+
+
+def _upload_bytes(raw: Any) -> Any:
+    return cupy.asarray(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+
+
+GGUF = GgufBlocks("gguf")
+SPLIT = SplitPlanes("split")
+MMQ = MmqTiles("mmq")
+F16 = FloatMatrix("f16")
+F32 = FloatMatrix("f32")
+BF16 = FloatMatrix("bf16")
+BNB4 = Bnb4Codes("bnb4")
+
+
+# ---- activation layouts ----------------------------------------------------------------------------
+class ActivationLayout(Layout):
+    """X [M, K] (fp32 on the device) as a kernel reads it: buffers made per product, then filled."""
+
+    quantized = False  # Q8_1 (then `to_host` reads it back, for tests)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def buffers(self, m: int, k: int) -> Any:
+        """Device buffers for M x K activations (uninitialised), or None where the kernel reads X itself."""
+        return None
+
+    def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
+        """Prepare X into the buffers on the current stream; what the kernel takes."""
+        return x
+
+    def poison(self, bufs: Any) -> None:
+        """Fill the buffers with a byte no kernel writes, so that a byte left unwritten shows in the product."""
+        for buf in bufs.values() if isinstance(bufs, dict) else [bufs]:
+            buf.view(cupy.uint8).fill(POISON_Q8_1)
+
+    def to_host(self, bufs: Any, m: int, k: int) -> Any:
+        raise NotImplementedError(f"{self.name} activations are not Q8_1")
+
+
+class FloatActivations(ActivationLayout):
+    """fp32 as they are (f32, and f16_mmvf, whose kernel rounds them itself), cast to fp16, or rounded to bf16."""
+
+    def buffers(self, m: int, k: int) -> Any:
+        if self.name == "f16":
+            return cupy.empty((m, k), dtype=cupy.float16)
+        if self.name == "bf16":
+            return cupy.empty((m, k), dtype=cupy.uint16)
+        return None
+
+    def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
+        if self.name == "f16":
+            cupy.copyto(bufs, x)
+        elif self.name == "bf16":
+            mods.function("w16.cu", "to_bf16")((cdiv(x.size, 256),), (256,), (x, bufs, I64(x.size)))
+        else:
+            return x
+        return bufs
+
+
+class Q8_1Blocks(ActivationLayout):
+    """llama.cpp's block_q8_1 records: half2 (d, s) and 32 int8 quants a block (the ladder kernels)."""
+
+    quantized = True
+
+    def buffers(self, m: int, k: int) -> Any:
+        return cupy.empty(m * (k // QK) * Q8_1_BYTES, dtype=cupy.uint8)
+
+    def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
+        n = x.size  # 4 values a thread
+        mods.function("q8_1.cu", "quantize_q8_1")((cdiv(n, 1024),), (256,), (x, bufs, I64(n)))
+        return bufs
+
+    def to_host(self, bufs: Any, m: int, k: int) -> Any:
+        from kernels.reference import Q8_1
+
+        return Q8_1.from_blocks(cupy.asnumpy(bufs).reshape(m, -1))
+
+
+class Q8_1Split(ActivationLayout):
+    """int8 rows and half2 (d, s) scales apart (gemv's 16-byte loads)."""
+
+    quantized = True
+
+    def buffers(self, m: int, k: int) -> Any:
+        return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
+
+    def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
+        from kernels.cuda import pdl
+
+        n = x.size  # dependent launch: it may get resident while the GEMM ahead of it ends (pdl.py)
+        pdl.launch(mods.function("q8_1.cu", "quantize_q8_1_split"), (cdiv(n, 1024),), (256,),
+                   (x, bufs["qs"], bufs["ds"], I64(n)), mods.dependent_launch)
+        return bufs
+
+    def to_host(self, bufs: Any, m: int, k: int) -> Any:
+        from kernels.reference import Q8_1
+
+        ds = cupy.asnumpy(bufs["ds"])
+        return Q8_1(cupy.asnumpy(bufs["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
+
+
+class Q8_1Mmq(ActivationLayout):
+    """Q8_1 tiled as fast.cu's mmq reads it, in pieces of 64 rows x one stage, with the scale layout llama.cpp's
+    MMQ quantizes into for the weights' format: "mmq_d4" d_a in float; "mmq_ds4" d_a a half; "mmq_ds4s" and the
+    block sums its m_w s_a term reads (formats with a minimum); "mmq_d2s6" Q2_K's half d_a per 64 values and
+    half sums of 16."""
+
+    quantized = True
+
+    def __init__(self, name: str, half_d: bool, sums: int):
+        super().__init__(name)
+        self.half_d, self.sums = half_d, sums  # sums: floats of s_a per block and row (0, 1, or 2 for D2S6)
+
+    def buffers(self, m: int, k: int) -> Any:
+        pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
+        bufs = {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
+                "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
+        if self.sums:
+            bufs["sa"] = cupy.empty(self.sums * pieces * MMQ_BKB * MMQ_BM, dtype=cupy.float32)
+        return bufs
+
+    def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
+        m, k = x.shape
+        sb = mmq_tiles(m, k, MMQ_BM)[1]
+        if self.name == "mmq_d2s6":  # a warp a (row, stage of 128 values)
+            args = (x, bufs["qs"], bufs["dc"], bufs["sa"], np.int32(m), np.int32(k), np.int32(sb))
+            mods.function("q8_1.cu", "quantize_q8_1_mmq_d2s6")((cdiv(m * (k // 128), 8),), (256,), args)
+            return bufs
+        sa = bufs.get("sa")
+        name = quantize_mmq_kernel(mods.sm_count, m, k, sums=sa is not None)
+        mods.function("q8_1.cu", name)((cdiv(quantize_mmq_warps(name, m, k), 8),), (256,),
+                                       (x, bufs["qs"], bufs["dc"], sa if sa is not None else I64(0), np.int32(m),
+                                        np.int32(k), np.int32(sb), np.int32(self.half_d)))
+        return bufs
+
+    def to_host(self, bufs: Any, m: int, k: int) -> Any:
+        """Untiled: d from the (d 2^111, -d 2^-19) pairs, s from s 2^-38."""
+        from kernels.reference import Q8_1
+
+        mt, sb = mmq_tiles(m, k, MMQ_BM)
+        kb, kbp = k // QK, sb * MMQ_BKB
+
+        def untile(a: Any, *last: int) -> np.ndarray:  # [tile][stage][block][row](...) -> [m, kb](...)
+            t = cupy.asnumpy(a).reshape(mt, sb, MMQ_BKB, MMQ_BM, *last).transpose(0, 3, 1, 2, *range(4, 4 + len(last)))
+            return np.ascontiguousarray(t.reshape(-1, kbp, *last)[:m, :kb])
+
+        qs = cupy.asnumpy(bufs["qs"]).reshape(mt, sb, MMQ_BM // 8, 8, 8, 16).transpose(0, 2, 4, 1, 3, 5)
+        d = untile(bufs["dc"], 2)[..., 0] * np.float32(2.0 ** -111)  # exact
+        q = np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k])
+        if self.name == "mmq_d2s6":  # d per 64 values; sums per 16, those of halves 6 and 7 (d Σq there) as 0
+            t = cupy.asnumpy(bufs["sa"]).reshape(mt, sb, MMQ_BKB * 2, MMQ_BM).transpose(0, 3, 1, 2)
+            s16 = (t.reshape(-1, sb * 8)[:m, :kb * 2] * np.float32(2.0 ** 38)).reshape(m, -1, 8)
+            s16[..., 6:] = 0
+            return Q8_1(q, d[:, ::2].astype(np.float16), s16.reshape(m, -1).astype(np.float16))
+        s = (untile(bufs["sa"]) * np.float32(2.0 ** 38)).astype(np.float16) if "sa" in bufs else \
+            np.zeros((m, kb), dtype=np.float16)  # no sums: the signed formats' formula reads none
+        return Q8_1(q, d.astype(np.float16) if self.half_d else np.ascontiguousarray(d), s)
+
+
+X_F32 = FloatActivations("f32")
+X_F16 = FloatActivations("f16")
+X_BF16 = FloatActivations("bf16")
+Q8_1_BLOCKS = Q8_1Blocks("blocks")
+Q8_1_SPLIT = Q8_1Split("split")
+MMQ_ACTIVATIONS = {a.name: a for a in (Q8_1Mmq("mmq_d4", False, 0), Q8_1Mmq("mmq_ds4", True, 0),
+                                       Q8_1Mmq("mmq_ds4s", True, 1), Q8_1Mmq("mmq_d2s6", True, 2))}
+ACTIVATIONS: dict[str, ActivationLayout] = {a.name: a for a in (X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_SPLIT,
+                                                                 *MMQ_ACTIVATIONS.values())}
+
+
+def mmq_activations(type_name: str) -> Q8_1Mmq:
+    """The MMQ activation layout llama.cpp quantizes X into for weights of this type (mmq_get_q8_1_ds_layout):
+    its scale layout, and the block sums where the format has a minimum and reads them per block (DS4)."""
+    fmt = _format(type_name)
+    ds = mmq_ds_layout(type_name)
+    sums = (fmt.has_min or fmt.group_min) and ds == "DS4"
+    return MMQ_ACTIVATIONS["mmq_" + ds.lower() + ("s" if sums else "")]

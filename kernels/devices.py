@@ -1,0 +1,92 @@
+"""The backends of this machine: one per GPU that QGEMM_DEVICES names (when CuPy sees one and the settings allow
+it), and QGEMM_CPU_DEVICES CPU backends.  A broken or missing CUDA stack leaves the CPU backends serving (its
+cause kept in `cuda_error`), unless the settings ask for CUDA; naming absent devices is a configuration error."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kernels.backend import Backend
+from kernels.cpu import CpuBackend
+
+log = logging.getLogger("qgemm")
+
+
+class Options(Protocol):
+    """What opening the devices reads of the service's settings (app.settings.Settings has them)."""
+
+    backend: str
+    devices: str | None
+    cpu_devices: int
+    cpu_cache_bytes: int
+    gpu_memory_bytes: int | None
+    dependent_launch: bool
+
+
+class BadDevices(RuntimeError):
+    """QGEMM_DEVICES names devices that are not there: a configuration error, never a fall-back to the CPU."""
+
+
+class CudaUnavailable(RuntimeError):
+    """QGEMM_BACKEND=cuda, and no CUDA device can serve."""
+
+
+def parse_devices(spec: str | None, count: int) -> list[int]:
+    """QGEMM_DEVICES ("all", or CUDA ordinals "0,1") as a list of ordinals, each checked against `count`."""
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(range(count))
+    try:
+        devices = [int(d) for d in spec.replace(" ", "").split(",") if d]
+    except ValueError:
+        raise BadDevices(f"QGEMM_DEVICES={spec!r}: give CUDA ordinals like 0,1 or 'all'") from None
+    bad = [d for d in devices if not 0 <= d < count]
+    if bad or not devices or len(set(devices)) != len(devices):
+        raise BadDevices(f"QGEMM_DEVICES={spec!r}: CuPy sees {count} device(s) (0..{count - 1}), each named once")
+    return devices
+
+
+@dataclass
+class Devices:
+    cuda: list[Backend] = field(default_factory=list)  # one per GPU, in QGEMM_DEVICES order
+    cpu: list[Backend] = field(default_factory=list)
+    cuda_error: str | None = None  # why there is no GPU backend
+
+    def close(self) -> None:
+        for b in self.cuda + self.cpu:
+            b.close()
+
+
+def open_devices(settings: Options) -> Devices:
+    found = Devices(cpu=[CpuBackend(settings.cpu_cache_bytes, i) for i in range(settings.cpu_devices)])
+    if settings.backend not in ("auto", "cuda"):
+        return found
+    try:
+        from kernels.cuda.backend import CudaBackend, cuda_device_count
+
+        count = cuda_device_count()
+        if count:
+            for i in parse_devices(settings.devices, count):
+                found.cuda.append(CudaBackend(settings, device=i))
+            if len({b.cc for b in found.cuda}) > 1:
+                log.warning("QGEMM_DEVICES mixes compute capabilities; kernels are chosen for %s",
+                            found.cuda[0].device_name)
+        else:
+            found.cuda_error = "CuPy sees no CUDA device"
+    except ImportError as exc:
+        found.cuda_error = f"CuPy is not installed ({exc.name}); install the .[cuda] extra"
+    except BadDevices:
+        found.close()
+        raise
+    except Exception as exc:  # a broken driver must not stop the CPU service in auto mode
+        for b in found.cuda:
+            b.close()
+        found.cuda = []
+        found.cuda_error = f"{type(exc).__name__}: {exc}"
+    if not found.cuda:
+        if settings.backend == "cuda":
+            found.close()
+            raise CudaUnavailable(f"QGEMM_BACKEND=cuda but the CUDA backend is unavailable: {found.cuda_error}")
+        log.info("CUDA backend unavailable (%s); serving on the CPU", found.cuda_error)
+    return found
