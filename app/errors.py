@@ -42,6 +42,11 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 DOMAIN_STATUS: dict[type[QgemmError], int] = {InvalidRequest: 422, DeviceOutOfMemory: 503}
 RETRY_AFTER = {503: "1"}  # seconds: a GPU out of memory may have room once products in flight end
 
+def status_of(exc: QgemmError) -> int:
+    """The HTTP status of a domain error."""
+    return next((s for cls, s in DOMAIN_STATUS.items() if isinstance(exc, cls)), 500)
+
+
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 422: "unprocessable", 503: "unavailable"}
 
@@ -53,7 +58,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(QgemmError)
     async def _domain_error(_: Request, exc: QgemmError) -> JSONResponse:
-        status = next((s for cls, s in DOMAIN_STATUS.items() if isinstance(exc, cls)), 500)
+        status = status_of(exc)
         retry = RETRY_AFTER.get(status)
         return error_response(status, exc.code, exc.message, {"Retry-After": retry} if retry else None)
 

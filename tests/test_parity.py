@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import parity
+from tools import parity
 
 FIXTURE = Path(__file__).parent / "data" / "ggml_parity"
 
