@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.schemas import ErrorResponse
+from app.schemas import ErrorResponse, MatmulResponse
 
 WHY = {
     400: "Malformed request: a body or parameter that is not what the schema says (`bad_request`, `bad_json`, "
@@ -44,7 +44,8 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": WHY[s]} for s in statuses}
 
 
-def _error_entry(status: int) -> dict[str, Any]:
+def error_entry(status: int) -> dict[str, Any]:
+    """A status's entry as the document states it (for operations written out by hand: POST /v1/matmul)."""
     return {"description": WHY[status], "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}
 
 
@@ -53,11 +54,25 @@ def _is_fastapi_validation(entry: dict[str, Any]) -> bool:
     return schema.get("$ref", "").endswith("/HTTPValidationError")
 
 
+def _add_matmul(doc: dict[str, Any]) -> None:
+    """POST /v1/matmul, a plain route (app/routes/matmul.py says why), and the response model it refers to."""
+    from app.routes import matmul
+
+    paths = doc.setdefault("paths", {})
+    paths["/v1/matmul"] = {"post": matmul.operation()}
+    schema = MatmulResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(schema.pop("$defs", {}))
+    schemas["MatmulResponse"] = schema
+    doc["components"]["schemas"] = dict(sorted(schemas.items()))
+
+
 def install(app: FastAPI, api_key_set: bool) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _add_matmul(doc)
         for path, ops in doc.get("paths", {}).items():
             for op in ops.values():
                 responses = op.setdefault("responses", {})
@@ -65,7 +80,7 @@ def install(app: FastAPI, api_key_set: bool) -> None:
                     del responses["422"]
                 statuses = GUARDS + ((401,) if api_key_set and path.startswith("/v1/") else ())
                 for status in statuses:
-                    responses.setdefault(str(status), _error_entry(status))
+                    responses.setdefault(str(status), error_entry(status))
                 if api_key_set and path.startswith("/v1/"):
                     op["security"] = [{"bearer": []}]
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})

@@ -26,29 +26,6 @@ from kernels.formats import FORMATS
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # E2M1 values times 2
 
-# each format's block as llama.cpp's block_<type> (ggml-common.h), field by field
-BLOCK_DTYPES: dict[str, np.dtype] = {
-    "Q2_K": np.dtype([("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")]),
-    "Q3_K": np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")]),
-    "Q4_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
-    "Q5_K": np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)]),
-    "Q6_K": np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
-    "IQ4_NL": np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
-    "IQ4_XS": np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)]),
-    "MXFP4": np.dtype([("e", "u1"), ("qs", "u1", 16)]),
-}
-# the order groups.cuh's decoders take each format's field planes in (p0, p1, ...)
-DEVICE_PLANES: dict[str, tuple[str, ...]] = {
-    "Q2_K": ("qs", "scales", "d", "dmin"), "Q3_K": ("qs", "hmask", "scales", "d"),
-    "Q4_K": ("qs", "scales", "d", "dmin"), "Q5_K": ("qs", "scales", "d", "dmin", "qh"),
-    "Q6_K": ("ql", "qh", "scales", "d"), "IQ4_NL": ("qs", "d"), "IQ4_XS": ("qs", "scales_l", "scales_h", "d"),
-    "MXFP4": ("qs", "e"),
-}
-for _t, _dt in BLOCK_DTYPES.items():
-    assert sorted(DEVICE_PLANES[_t]) == sorted(_dt.names), _t
-    assert _dt.itemsize == FORMATS[GGMLQuantizationType[_t]].block_bytes, _t
-
-
 @dataclass(frozen=True)
 class GroupWeights:
     """A matrix of a grouped format as the two formulas read it (float64 arrays are exact values).
@@ -68,12 +45,6 @@ class GroupWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.scale, self.coef, self.mmq_scale, self.mmq_min) if a is not None)
-
-
-def blocks_of(type_name: str, raw: np.ndarray) -> np.ndarray:
-    """Raw GGUF rows (uint8 [N, row_bytes]) as structured blocks [N, K/values]."""
-    raw = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8))
-    return raw.reshape(raw.shape[0], -1).view(BLOCK_DTYPES[type_name])
 
 
 def _half(v: np.ndarray) -> np.ndarray:
@@ -108,59 +79,177 @@ def _q3_k_scales(scales: np.ndarray) -> np.ndarray:
     return (low | (high << 4)) - 32
 
 
-def decode(type_name: str, raw: np.ndarray) -> GroupWeights:
-    b = blocks_of(type_name, raw)
-    n = b.shape[0]
-    t = type_name
-    coef = mmq_min = None
-    if t == "Q2_K":
+# ---- one class per format: its block (llama.cpp's block_<type>, ggml-common.h, field by field), the order
+# groups.cuh's decoders take its field planes in (p0, p1, ...), its decode, and its valid random blocks
+class GroupedFormat:
+    """A grouped format's Python side, as gguf-py's quants.py keeps one class per format."""
+
+    name: str
+    dtype: np.dtype
+    planes: tuple[str, ...]
+
+    def decode(self, b: np.ndarray) -> tuple:
+        """Structured blocks [N, blocks] to (q, scale, coef, mmq_scale, mmq_min) (coef, mmq_min None: no min)."""
+        raise NotImplementedError
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        """Set the float fields of uniformly random blocks so that values are about `scale` in size."""
+        raise NotImplementedError
+
+    @staticmethod
+    def halves(b: np.ndarray, rng: np.random.Generator, typical: float) -> np.ndarray:
+        shape = b.shape
+        return (rng.uniform(0.5, 1.5, shape) * typical * rng.choice([-1.0, 1.0], shape)).astype(np.float16)
+
+
+class Q2K(GroupedFormat):
+    name, planes = "Q2_K", ("qs", "scales", "d", "dmin")
+    dtype = np.dtype([("scales", "u1", 16), ("qs", "u1", 64), ("d", "<f2"), ("dmin", "<f2")])
+
+    def decode(self, b: np.ndarray) -> tuple:
         shift = 2 * np.arange(4).reshape(1, 4, 1)
         q = (b["qs"].reshape(*b.shape, 2, 1, 32) >> shift) & 3  # [.., half n, shift j, l]: value 128n + 32j + l
         sc, mn = b["scales"] & 0xF, b["scales"] >> 4  # per 16 values, in value order
         d, dmin = _f64(b["d"])[..., None], _f64(b["dmin"])[..., None]
-        scale, coef = d * sc, -(dmin * mn)
-        mmq_scale, mmq_min = _half(d * sc), -_half(dmin * mn)
-    elif t == "Q3_K":
+        return q, d * sc, -(dmin * mn), _half(d * sc), -_half(dmin * mn)
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = np.abs(self.halves(b, rng, 2 * scale / (15 * 3)))  # d*sc*q reaches 15 * 3 units of d
+        b["dmin"] = np.abs(self.halves(b, rng, scale / 15))
+
+
+class Q3K(GroupedFormat):
+    name, planes = "Q3_K", ("qs", "hmask", "scales", "d")
+    dtype = np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")])
+
+    def decode(self, b: np.ndarray) -> tuple:
         j = np.arange(4).reshape(1, 4, 1)
         low = (b["qs"].reshape(*b.shape, 2, 1, 32) >> (2 * j)) & 3
         high = (b["hmask"].reshape(*b.shape, 1, 1, 32) >> (4 * np.arange(2).reshape(2, 1, 1) + j)) & 1
         q = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
-        scale = mmq_scale = _f64(b["d"])[..., None] * _q3_k_scales(b["scales"])
-    elif t in ("Q4_K", "Q5_K"):
-        q = (b["qs"].reshape(*b.shape, 4, 1, 32) >> (4 * np.arange(2).reshape(1, 2, 1))) & 0xF  # sub-block 2p + hi
-        if t == "Q5_K":
-            q = q | (((b["qh"].reshape(*b.shape, 1, 1, 32) >> np.arange(8).reshape(4, 2, 1)) & 1) << 4)
+        scale = _f64(b["d"])[..., None] * _q3_k_scales(b["scales"])
+        return q, scale, None, scale, None
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = self.halves(b, rng, scale / (32 * 4))
+
+
+class Q4K(GroupedFormat):
+    name, planes = "Q4_K", ("qs", "scales", "d", "dmin")
+    dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
+    top = 63 * 15  # d*sc*q reaches this many units of d
+
+    def quants(self, b: np.ndarray) -> np.ndarray:
+        return (b["qs"].reshape(*b.shape, 4, 1, 32) >> (4 * np.arange(2).reshape(1, 2, 1))) & 0xF  # sub-block 2p + hi
+
+    def decode(self, b: np.ndarray) -> tuple:
         sc, mn = _scale_min_k4(b["scales"])
         d, dmin = _f64(b["d"])[..., None], _f64(b["dmin"])[..., None]
-        scale, coef = d * sc, -(dmin * mn)
-        mmq_scale, mmq_min = _half(d * sc), _half(-(dmin * mn))
-    elif t == "Q6_K":
+        return self.quants(b), d * sc, -(dmin * mn), _half(d * sc), _half(-(dmin * mn))
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = np.abs(self.halves(b, rng, 2 * scale / self.top))
+        b["dmin"] = np.abs(self.halves(b, rng, scale / 63))
+
+
+class Q5K(Q4K):
+    name, planes = "Q5_K", ("qs", "scales", "d", "dmin", "qh")
+    dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)])
+    top = 63 * 31
+
+    def quants(self, b: np.ndarray) -> np.ndarray:
+        return super().quants(b) | (((b["qh"].reshape(*b.shape, 1, 1, 32) >> np.arange(8).reshape(4, 2, 1)) & 1) << 4)
+
+
+class Q6K(GroupedFormat):
+    name, planes = "Q6_K", ("ql", "qh", "scales", "d")
+    dtype = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
+
+    def decode(self, b: np.ndarray) -> tuple:
         ql = b["ql"].reshape(*b.shape, 2, 1, 2, 32)  # [.., n, nibble, half of ql_n, l]
         qh = b["qh"].reshape(*b.shape, 2, 1, 1, 32)
         quarter = np.arange(4).reshape(2, 2, 1)  # value 128n + 32*quarter + l: quarter = 2*nibble + half
         low = (ql >> (4 * np.arange(2).reshape(2, 1, 1))) & 0xF
         q = (low | (((qh >> (2 * quarter)) & 3) << 4)).astype(np.int16) - 32
-        scale = mmq_scale = _f64(b["d"])[..., None] * b["scales"].astype(np.float64)
-    elif t == "IQ4_NL":
-        q = KVALUES_IQ4NL[_nibbles(b["qs"])]
-        scale = mmq_scale = _f64(b["d"])[..., None]
-    elif t == "IQ4_XS":
+        scale = _f64(b["d"])[..., None] * b["scales"].astype(np.float64)
+        return q, scale, None, scale, None
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = self.halves(b, rng, scale / (128 * 32))
+
+
+class IQ4NL(GroupedFormat):
+    name, planes = "IQ4_NL", ("qs", "d")
+    dtype = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
+
+    def decode(self, b: np.ndarray) -> tuple:
+        scale = _f64(b["d"])[..., None]
+        return KVALUES_IQ4NL[_nibbles(b["qs"])], scale, None, scale, None
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = self.halves(b, rng, scale / 127)
+
+
+class IQ4XS(GroupedFormat):
+    name, planes = "IQ4_XS", ("qs", "scales_l", "scales_h", "d")
+    dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
+
+    def decode(self, b: np.ndarray) -> tuple:
         q = KVALUES_IQ4NL[_nibbles(b["qs"].reshape(*b.shape, 8, 16))]
         ib = np.arange(8)
         ls = ((b["scales_l"][..., ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF) | \
             (((b["scales_h"][..., None].astype(np.int32) >> (2 * ib)) & 3) << 4)
-        scale = mmq_scale = _f64(b["d"])[..., None] * (ls - 32)
-    elif t == "MXFP4":
-        q = KVALUES_MXFP4[_nibbles(b["qs"])]
-        scale = mmq_scale = np.ldexp(0.5, b["e"].astype(np.int32) - 127)[..., None]  # e8m0 * 0.5 (e = 0: 2^-127)
-    else:
+        scale = _f64(b["d"])[..., None] * (ls - 32)
+        return q, scale, None, scale, None
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        b["d"] = self.halves(b, rng, scale / (32 * 127))
+
+
+class MXFP4(GroupedFormat):
+    name, planes = "MXFP4", ("qs", "e")
+    dtype = np.dtype([("e", "u1"), ("qs", "u1", 16)])
+
+    def decode(self, b: np.ndarray) -> tuple:
+        scale = np.ldexp(0.5, b["e"].astype(np.int32) - 127)[..., None]  # e8m0 * 0.5 (e = 0: 2^-127)
+        return KVALUES_MXFP4[_nibbles(b["qs"])], scale, None, scale, None
+
+    def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
+        centre = 127 + int(np.round(np.log2(scale / 6)))  # 2^(e-127) * 6 about `scale`: e within a few octaves
+        b["e"] = rng.integers(centre - 3, centre + 4, b.shape).astype(np.uint8)
+
+
+GROUPED: dict[str, GroupedFormat] = {f.name: f for f in (Q2K(), Q3K(), Q4K(), Q5K(), Q6K(), IQ4NL(), IQ4XS(), MXFP4())}
+for _f in GROUPED.values():
+    assert sorted(_f.planes) == sorted(_f.dtype.names), _f.name
+    assert _f.dtype.itemsize == FORMATS[GGMLQuantizationType[_f.name]].block_bytes, _f.name
+    assert FORMATS[GGMLQuantizationType[_f.name]].grouped, _f.name
+
+
+def grouped(type_name: str) -> GroupedFormat:
+    f = GROUPED.get(type_name)
+    if f is None:
         raise ValueError(f"{type_name} is not a grouped format")
-    group = FORMATS[GGMLQuantizationType[t]].group_values
+    return f
+
+
+def blocks_of(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """Raw GGUF rows (uint8 [N, row_bytes]) as structured blocks [N, K/values]."""
+    raw = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8))
+    return raw.reshape(raw.shape[0], -1).view(grouped(type_name).dtype)
+
+
+def decode(type_name: str, raw: np.ndarray) -> GroupWeights:
+    fmt = grouped(type_name)
+    b = blocks_of(type_name, raw)
+    n = b.shape[0]
+    q, scale, coef, mmq_scale, mmq_min = fmt.decode(b)
 
     def flat(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else np.ascontiguousarray(np.asarray(a, np.float64).reshape(n, -1))
 
-    return GroupWeights(t, np.ascontiguousarray(np.asarray(q).astype(np.int8).reshape(n, -1)), group,
+    group = FORMATS[GGMLQuantizationType[type_name]].group_values
+    return GroupWeights(type_name, np.ascontiguousarray(np.asarray(q).astype(np.int8).reshape(n, -1)), group,
                         flat(scale), flat(coef), flat(mmq_scale), flat(mmq_min))  # type: ignore[arg-type]
 
 
@@ -173,37 +262,18 @@ def dequantize(w: GroupWeights) -> np.ndarray:
     return v.reshape(n, k)
 
 
-# ---- valid random blocks ------------------------------------------------------------------------
 def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
     """GGUF rows (uint8 [N, row_bytes]) of random blocks: every quant and sub-scale byte uniform (so every code
     occurs), the float fields finite and chosen so that values are about `scale` in size."""
-    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    fmt, bf = FORMATS[GGMLQuantizationType[type_name]], grouped(type_name)
     nb = k // fmt.block_values
     b = np.frombuffer(rng.integers(0, 256, n * nb * fmt.block_bytes, dtype=np.uint8).tobytes(),
-                      BLOCK_DTYPES[type_name]).reshape(n, nb).copy()
-
-    def halves(typical: float) -> np.ndarray:
-        return (rng.uniform(0.5, 1.5, (n, nb)) * typical * rng.choice([-1.0, 1.0], (n, nb))).astype(np.float16)
-
-    if type_name in ("Q2_K", "Q4_K", "Q5_K"):  # d*sc*q reaches ~15 * 63 * 15 (Q4_K) units of d
-        top = {"Q2_K": 15 * 3, "Q4_K": 63 * 15, "Q5_K": 63 * 31}[type_name]
-        b["d"] = np.abs(halves(2 * scale / top))
-        b["dmin"] = np.abs(halves(scale / (15 if type_name == "Q2_K" else 63)))
-    elif type_name == "Q3_K":
-        b["d"] = halves(scale / (32 * 4))
-    elif type_name == "Q6_K":
-        b["d"] = halves(scale / (128 * 32))
-    elif type_name == "IQ4_NL":
-        b["d"] = halves(scale / 127)
-    elif type_name == "IQ4_XS":
-        b["d"] = halves(scale / (32 * 127))
-    elif type_name == "MXFP4":  # 2^(e-127) * 6 about `scale`: e within a few octaves of it
-        centre = 127 + int(np.round(np.log2(scale / 6)))
-        b["e"] = rng.integers(centre - 3, centre + 4, (n, nb)).astype(np.uint8)
+                      bf.dtype).reshape(n, nb).copy()
+    bf.randomize(b, rng, scale)
     return np.ascontiguousarray(b).view(np.uint8).reshape(n, nb * fmt.block_bytes)
 
 
 def field_planes(type_name: str, raw: np.ndarray) -> list[np.ndarray]:
-    """The blocks' fields, each as one contiguous byte array, in DEVICE_PLANES order (the gemv layout)."""
+    """The blocks' fields, each as one contiguous byte array, in the format's `planes` order (the gemv layout)."""
     b = blocks_of(type_name, raw).reshape(-1)
-    return [np.ascontiguousarray(b[f]).view(np.uint8).reshape(-1) for f in DEVICE_PLANES[type_name]]
+    return [np.ascontiguousarray(b[f]).view(np.uint8).reshape(-1) for f in grouped(type_name).planes]

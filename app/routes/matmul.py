@@ -8,14 +8,14 @@ import time
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from numpy.lib import format as npformat
 from pydantic import ValidationError
 
 from app.errors import ApiError
 from app.limits import check_api_key
-from app.openapi import errors
+from app.openapi import error_entry
 from app.schemas import (
     DEMO_K,
     DEMO_MODEL,
@@ -23,14 +23,11 @@ from app.schemas import (
     KERNEL_NAMES,
     WEIGHT_FORMAT_DOC,
     MatmulRequest,
-    MatmulResponse,
-    WeightFormat,
 )
 from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
+from kernels.requant import WEIGHT_FORMATS
 from models.store import FileChanged, ModelStore, NotFound
-
-router = APIRouter(tags=["matmul"])
 
 NPY = "application/x-npy"
 JSON = "application/json"
@@ -135,41 +132,54 @@ REQUEST_BODY = {
 }
 
 
-@router.post(
-    "/matmul",
-    operation_id="matmul",
-    response_model=MatmulResponse,
-    responses={200: {"description": "Y [M, N]: JSON (MatmulResponse), or a float32 .npy with `Accept: "
-                                    f"{NPY}` (the timing then in Server-Timing and the other values in X-Qgemm-*)",
-                     "content": {NPY: {"schema": {"type": "string", "format": "binary"}}},
-                     "headers": {h: {"description": d, "schema": {"type": "string"}}
-                                 for h, d in MATMUL_HEADERS.items()}},
-               **errors(404, 415, 422, 503)},
-    openapi_extra={"requestBody": REQUEST_BODY},
-)
-async def matmul(
-    request: Request,
-    model: str | None = Query(None, description="required with a .npy body: the model id (ignored for JSON bodies)",
-                              examples=[DEMO_MODEL]),
-    tensor: str | None = Query(None, description="required with a .npy body: the tensor name (ignored for JSON bodies)",
-                               examples=[DEMO_TENSOR]),
-    kernel: str = Query("auto", description=".npy bodies: the kernel (ignored for JSON bodies)",
-                        json_schema_extra={"enum": KERNEL_NAMES}),
-    weight_format: WeightFormat = Query("gguf", description=".npy bodies: " + WEIGHT_FORMAT_DOC),
-    blocksize: int = Query(DEFAULT_BLOCKSIZE, description=".npy bodies, nf4/fp4: values per absmax",
-                           json_schema_extra={"enum": list(BLOCKSIZES)}),
-    double_quant: bool = Query(False, description=".npy bodies, nf4/fp4: 8-bit absmax values"),
-) -> Response:
-    """Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor (as stored, or requantized: `weight_format`).
-    JSON body, or a .npy body with the model, tensor and kernel as query parameters; `Accept:
-    application/x-npy` answers .npy."""
-    return await handle(request, model, tensor, kernel, (weight_format, blocksize, double_quant))
+def _param(name: str, schema: dict, description: str, default: object = None, **extra: object) -> dict:
+    """A query parameter as the OpenAPI document states it (the handler reads it from the query string)."""
+    title = name.replace("_", " ").title()
+    schema = {**schema, "description": description, **({"default": default} if default is not None else {}),
+              **extra, "title": title}
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
 
 
-async def fast_matmul(request: Request) -> Response:
-    """The same route served without FastAPI's per-request parameter and dependency solving, which
-    cost more than the product itself at M = 1 (docs/service.md, "Where the time goes"); app.main
-    puts it before the documented route above.  The query parameters are plain strings there too."""
+_OPTIONAL_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+QUERY = [  # the query parameters of a .npy body, as `matmul` reads them
+    _param("model", _OPTIONAL_STRING, "required with a .npy body: the model id (ignored for JSON bodies)",
+           examples=[DEMO_MODEL]),
+    _param("tensor", _OPTIONAL_STRING, "required with a .npy body: the tensor name (ignored for JSON bodies)",
+           examples=[DEMO_TENSOR]),
+    _param("kernel", {"type": "string"}, ".npy bodies: the kernel (ignored for JSON bodies)", enum=KERNEL_NAMES,
+           default="auto"),
+    _param("weight_format", {"enum": list(WEIGHT_FORMATS), "type": "string"}, ".npy bodies: " + WEIGHT_FORMAT_DOC,
+           default="gguf"),
+    _param("blocksize", {"type": "integer"}, ".npy bodies, nf4/fp4: values per absmax", enum=list(BLOCKSIZES),
+           default=DEFAULT_BLOCKSIZE),
+    _param("double_quant", {"type": "boolean"}, ".npy bodies, nf4/fp4: 8-bit absmax values", default=False),
+]
+
+
+def operation() -> dict:
+    """POST /v1/matmul in the OpenAPI document (app/openapi.py adds it: the handler is a plain route)."""
+    return {
+        "tags": ["matmul"], "summary": "Matmul", "operationId": "matmul",
+        "description": "Y[M, N] = X[M, K] · W[N, K]ᵀ with W a model's tensor (as stored, or requantized: "
+                       "`weight_format`).\nJSON body, or a .npy body with the model, tensor and kernel as query "
+                       "parameters; `Accept:\napplication/x-npy` answers .npy.",
+        "parameters": QUERY,
+        "requestBody": REQUEST_BODY,
+        "responses": {
+            "200": {"description": "Y [M, N]: JSON (MatmulResponse), or a float32 .npy with `Accept: "
+                                   f"{NPY}` (the timing then in Server-Timing and the other values in X-Qgemm-*)",
+                    "content": {JSON: {"schema": {"$ref": "#/components/schemas/MatmulResponse"}},
+                                NPY: {"schema": {"type": "string", "format": "binary"}}},
+                    "headers": {h: {"description": d, "schema": {"type": "string"}}
+                                for h, d in MATMUL_HEADERS.items()}},
+            **{str(status): error_entry(status) for status in (404, 415, 422, 503)}},
+    }
+
+
+async def matmul(request: Request) -> Response:
+    """POST /v1/matmul: Y[M, N] = X[M, K] · W[N, K]ᵀ.  A plain Starlette route (app.main), documented by
+    `operation()`: FastAPI's per-request parameter and dependency solving cost more than the product itself at
+    M = 1 (docs/service.md, "Where the time goes"), so the query parameters are read here, as strings."""
     check_api_key(request)
     q = request.query_params
     requant = None

@@ -11,9 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import cupy
-
 from kernels.cuda import pdl
+
+try:
+    import cupy
+except ImportError:  # a machine without CuPy: the sources are named (the registry's tests read them), never built
+    cupy = None
 
 HERE = Path(__file__).parent
 SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "fast.cu", "peak.cu", "bnb4.cu")
