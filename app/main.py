@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             engine.close()
 
     # telemetry off: the service exports Prometheus metrics (/metrics), and FastAPI's OpenTelemetry
-    # check of its providers cost ~60 µs on every request (profiled, docs/service.md)
+    # check of its providers cost ~60 µs on every request (profiled, docs/reports/service.md)
     app = FastAPI(title="qgemm", version=__version__, lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Inspect GGUF models and multiply their quantized weights the way llama.cpp does.")

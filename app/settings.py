@@ -33,7 +33,7 @@ class Settings(BaseModel):
     gil_switch_us: int | None = Field(None, gt=0)  # Python thread switch interval (its default: 5000 µs)
     access_log: bool = False  # uvicorn's line per request (off: it costs more than a small product)
     # server processes: >1 runs HTTP in that many processes (one event loop is the limit near 3,000 requests/s,
-    # docs/service.md), each with its own engine: its own copy of the weights on the GPU, its own batching and
+    # docs/reports/service.md), each with its own engine: its own copy of the weights on the GPU, its own batching and
     # its own /metrics; give each a share of the GPU with QGEMM_GPU_MEMORY_BYTES
     workers: int = Field(1, ge=1, le=64)
     # GET .../quantization requantizes a tensor six ways in host memory: tensors above this many values are refused

@@ -106,7 +106,7 @@ register(CpuKernel(
     name="ref_f16", weight_types=("F16",), activation_format="f16", layout=F16, acts=X_F16, gemm=reference.ref_f32,
     description="numpy on the CPU of llama.cpp's product of F16 matrices at M > 1 (cuBLAS on half operands): "
                 "activations rounded to half (to nearest even), fp32 GEMM (ggml accumulates in half: "
-                "docs/formats.md)"))
+                "docs/reports/formats-legacy-and-float.md)"))
 register(CpuKernel(
     name="ref_bf16", weight_types=("BF16",), activation_format="bf16", layout=BF16, acts=X_BF16,
     gemm=reference.ref_f32,

@@ -3,7 +3,7 @@
 Each of the bench's pairs (quantize + GEMM, or cuBLAS's fp16 cast + GEMM on the dequantized weights)
 is captured 200 times in a CUDA graph and replayed for SECONDS while `nvidia-smi` samples the SM clock,
 power and clock-event reasons every 50 ms; energy per call = median power x sustained time per call.
-The bench's own figures come from short bursts, which the power limit does not reach (docs/kernels.md,
+The bench's own figures come from short bursts, which the power limit does not reach (docs/reports/kernel-design.md,
 "Power"):
 
     python3 scripts/power_draw.py            # M = 512, N = 4096, K = 4096 and 14336

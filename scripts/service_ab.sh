@@ -3,7 +3,7 @@
 # machine session (service figures differ between machines of one kind by up to 2x, so compare here).
 #   usage: scripts/service_ab.sh "ENV=A ..." "ENV=B ..." [loadtest args...]
 # Two code versions instead: extract the old one (git archive REV | tar -x -C .ab/old, .ab git-ignored
-# in .git/info/exclude), carry .ab, and start side A's server from .ab/old (docs/service.md, attempt 7).
+# in .git/info/exclude), carry .ab, and start side A's server from .ab/old (docs/reports/service.md, attempt 7).
 set -uo pipefail
 a=$1; b=$2; shift 2
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: two code versions under the same load, alternating, in one machine session
-# (docs/hardening.md).  Here first: `mkdir -p .ab/old && git archive REV | tar -x -C .ab/old` (.ab is
+# (docs/reports/hardening.md).  Here first: `mkdir -p .ab/old && git archive REV | tar -x -C .ab/old` (.ab is
 # git-ignored through .git/info/exclude); carry .whl, .carry and .ab/old.
 #   usage: [W=workers] scripts/service_ab_code.sh [old dir, default .ab/old]
 # Writes $OUT/abb-<i>-<old|new>.json: `.npy` M = 1 on blk.0.attn_q.weight, 1 and 64 clients, 5 s each.

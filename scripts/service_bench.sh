@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool): the service benchmark of docs/service.md.  Carry .whl and .carry
+# On the GPU machine (device tool): the service benchmark of docs/reports/service.md.  Carry .whl and .carry
 # (as for gpu-check.sh).  Starts `qgemm serve` on the CUDA backend with batching on or off and drives it
 # with `qgemm loadtest` (client processes on the same machine), writing $OUT/service-<mode>.json.
 #   usage: scripts/service_bench.sh on|off [seconds per run]

@@ -1,6 +1,6 @@
-"""docs/service.md's table and plot from the JSON rows `scripts/service_bench.sh on|off` wrote.
-    python3 scripts/service_report.py docs/service/service-on.json docs/service/service-off.json
-(prints the markdown table; writes docs/service.png; needs matplotlib, the `bench` extra)."""
+"""docs/reports/service.md's table and plot from the JSON rows `scripts/service_bench.sh on|off` wrote.
+    python3 scripts/service_report.py docs/reports/service/service-on.json docs/reports/service/service-off.json
+(prints the markdown table; writes docs/reports/service/service.png; needs matplotlib, the `bench` extra)."""
 
 from __future__ import annotations
 

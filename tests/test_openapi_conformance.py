@@ -5,7 +5,7 @@ once without and once with an API key.  Schemathesis draws from this run's seed 
 printed in the summary), so a failure replays.  QGEMM_SCHEMATHESIS_EXAMPLES sets the examples per
 operation (default 25), QGEMM_SCHEMATHESIS_STEPS the stateful run's steps.  The settings are the
 repository's schemathesis.toml, so `st run http://127.0.0.1:8000/openapi.json --checks all` against a
-live server runs the same (README, "API conformance"); tests/schemathesis_hooks.py says what its hooks
+live server runs the same (docs/api.md, "API conformance"); tests/schemathesis_hooks.py says what its hooks
 supply and why.
 """
 

@@ -331,7 +331,7 @@ def _timing_note(result: dict[str, Any]) -> str:
 
 
 def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
-    """docs/benchmarks.md: device, date, method, ceilings, the table and the picture."""
+    """docs/reports/kernel-benchmarks.md: device, date, method, ceilings, the table and the picture."""
     return f"""# Benchmarks
 
 Device: **{result['device']}** (compute capability {result['compute_capability'] / 10:.1f}, {result['sm_count']} SMs,

@@ -32,7 +32,7 @@
 //   * acc' = fma(t, d_w, acc') is the output times 2^-38, scaled back at the store.
 // llama.cpp computes fma(sumi * d_w, d_a, acc) instead: the same terms, rounded in another order.
 // (Before llama.cpp's MMQ formula, Q4_0 kept unsigned weights and a sum term, run as an fp16 MMA;
-// docs/parity.md says why the formula changed.)
+// docs/reports/parity-llama-cpp.md says why the formula changed.)
 #define MMQ_BM 64
 #define MMQ_BN 128
 #define MMQ_BKB 4
@@ -369,7 +369,7 @@ mmq16_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __r
 // each quant block takes two wgmmas into one accumulator set: the first (scale-d 0) multiplies two constant
 // tiles of -128s, 32 * 128 * 128 = 2^19 in every lane, the second adds the block's product; then mmq's
 // two-FFMA epilogue, so its outputs equal mmq's bit for bit.  Measured on the H100 5-10% slower than mmq
-// (docs/kernels.md): the bias doubles the tensor-core work.
+// (docs/reports/kernel-design.md): the bias doubles the tensor-core work.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K); SBO = the next 8 rows (1024 bytes in
