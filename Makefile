@@ -1,22 +1,36 @@
 # Two entry points: `make serve` and `make test`. Each sets up what it needs first (a virtual
 # environment in .venv with qgemm installed editable, the models fetched), so either works on a
-# fresh clone.  The CUDA extra is added when the machine has an NVIDIA driver.
+# fresh clone.  `serve` installs what serving needs; `test` adds the test extras.  The CUDA extra is
+# added when the machine has an NVIDIA driver (CUDA=cuda12 for drivers older than CUDA 13's).
 PYTHON ?= python3
 VENV   ?= .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
-EXTRAS ?= test$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
+CUDA   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda)
 BIN    := $(VENV)/bin
+PYTEST_WORKERS ?= auto
 
-.PHONY: setup models serve test lint clean
+.PHONY: setup setup-test models serve test lint clean
 
-$(BIN)/qgemm: pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+
+# what serving needs (and CUDA's CuPy where there is a GPU)
+$(VENV)/.serve: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.$(if $(CUDA),[$(CUDA)])'
 	touch $@
 
-setup: $(BIN)/qgemm
+# and the test extras (pytest, schemathesis, Playwright, Ray, ruff, ...)
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test$(if $(CUDA),$(comma)$(CUDA))]'
+	touch $@ $(VENV)/.serve
+
+comma := ,
+
+setup: $(VENV)/.serve
+
+setup-test: $(VENV)/.test
 
 models: setup
 	$(BIN)/qgemm fetch
@@ -24,11 +38,11 @@ models: setup
 serve: models
 	$(BIN)/qgemm serve --host $(HOST) --port $(PORT)
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 
-test: models lint
-	QGEMM_TEST_REQUIRE_MODELS=1 $(BIN)/python -m pytest -q
+test: setup-test models lint
+	QGEMM_TEST_REQUIRE_MODELS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,4 +1,5 @@
-"""The `qgemm` command: fetch, serve, inspect, bench."""
+"""qgemm: inspect GGUF models and multiply their quantized weights the way llama.cpp does (fetch, serve, inspect,
+cut, bench, loadtest, soak)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def cmd_fetch(args: argparse.Namespace, settings: Settings) -> int:
     from models.demo import ensure_demo
     from models.fetch import MODELS, FetchError, fetch
 
+    print(f"models directory: {settings.models_dir}", file=sys.stderr)
     path, wrote = ensure_demo(settings.models_dir)
-    print(f"{'wrote' if wrote else 'have '} {path}")
+    print(f"{'wrote' if wrote else 'have '} {path} ({_fmt_bytes(path.stat().st_size)}, generated)")
     if args.demo_only:
         return 0
     for name in args.model or list(MODELS):
@@ -33,30 +35,56 @@ def cmd_fetch(args: argparse.Namespace, settings: Settings) -> int:
         except FetchError as exc:
             print(f"qgemm fetch: {exc}", file=sys.stderr)
             return 1
-        print(f"{'fetched' if fetched else 'have   '} {path} (sha256 verified)")
+        print(f"{'fetched' if fetched else 'have   '} {path} ({_fmt_bytes(path.stat().st_size)}, sha256 verified)")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import os
+
     import uvicorn
 
+    from app import logs
     from app.main import create_app
+    from app.settings import default_models_dir
     from models.demo import ensure_demo
 
-    settings = settings.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
-    path, wrote = ensure_demo(settings.models_dir)
-    if wrote:
-        print(f"wrote the demo model: {path}")
+    if settings.backend == "cuda":  # asked for CUDA: say in one line why it cannot serve, before anything starts
+        reason = cuda_unavailable(settings)
+        if reason is not None:
+            print(f"qgemm serve: QGEMM_BACKEND=cuda, but no CUDA device can serve: {reason}", file=sys.stderr)
+            return 2
+    if settings.write_demo or (settings.write_demo is None and settings.models_dir == default_models_dir()):
+        path, wrote = ensure_demo(settings.models_dir)
+        if wrote:
+            print(f"wrote the demo model: {path}", file=sys.stderr)
     if args.ray:
         return serve_on_ray(settings, args.replicas)
+    os.environ.update(settings.as_env())  # flags reach every process uvicorn starts (QGEMM_WORKERS), and Ray's
     # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
     options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   loop="uvloop", http="httptools", access_log=settings.access_log)
+                                   loop="uvloop", http="httptools", access_log=settings.access_log,
+                                   log_config=logs.config(settings.log_level, settings.log_format))
     if settings.workers > 1:  # each worker process builds its app from the environment (QGEMM_*)
         uvicorn.run("app.main:create_app", factory=True, workers=settings.workers, **options)
     else:
         uvicorn.run(create_app(settings), **options)
     return 0
+
+
+def cuda_unavailable(settings: Settings) -> str | None:
+    """Why no CUDA device can serve here (with the fix), or None."""
+    from kernels.devices import nvidia_driver, why_no_cuda
+
+    try:
+        from kernels.cuda.backend import cuda_device_count
+
+        if cuda_device_count() > 0:
+            return None
+        cause = "CuPy sees no CUDA device"
+    except ImportError as exc:
+        cause = f"CuPy is not installed ({exc.name})"
+    return why_no_cuda(cause, nvidia_driver())
 
 
 def serve_on_ray(settings: Settings, replicas: int | None) -> int:
@@ -88,18 +116,23 @@ def quant_errors(path: Path, names: list[str] | None, blocksize: int, double_qua
     from app.quant_report import error_rows
     from models.store import ModelStore
 
-    model = next(m for m in ModelStore(path.parent).scan() if m.path.resolve() == path.resolve())
+    model = ModelStore(path.parent, cache_dir=settings_cache()).read_file(path)
+    assert model is not None
     infos = [model.tensors[n] for n in names if n in model.tensors] if names else \
         [t for t in model.tensors.values() if t.matmul]
     return {t.name: error_rows(model, t, blocksize, double_quant)[0] if t.matmul else t.matmul_reason for t in infos}
+
+
+def settings_cache() -> Path:
+    """Where the server keeps header indexes: `qgemm inspect` reads and fills the same ones."""
+    return Settings.from_env().index_dir
 
 
 def inspect_file(path: Path) -> dict[str, Any]:
     from models import inspect
     from models.store import ModelStore
 
-    store = ModelStore(path.parent)
-    model = next((m for m in store.scan() if m.path.resolve() == path.resolve()), None)
+    model = ModelStore(path.parent, cache_dir=settings_cache()).read_file(path)
     if model is None:
         raise FileNotFoundError(f"{path} is not a .gguf file")
     out: dict[str, Any] = {"file": str(path), "size_bytes": model.size_bytes, "status": model.status,
@@ -219,20 +252,60 @@ def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
     return soak_main(args)
 
 
+def add_settings(p: argparse.ArgumentParser) -> None:
+    """Every setting as a flag (--models-dir for QGEMM_MODELS_DIR), its default and variable in the help."""
+    group = p.add_argument_group("settings (each also a QGEMM_* environment variable; a flag wins)")
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        env = f"QGEMM_{name.upper()}"
+        shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else default
+        text = f"{field.description} ({env}; default: {shown})".replace("%", "%%")
+        flag = "--" + name.replace("_", "-")
+        if field.annotation in (bool, bool | None):
+            group.add_argument(flag, dest=f"setting_{name}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(flag, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar=name.upper(),
+                               help=text)
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The environment's settings with the flags given on top; SettingsError says what is wrong, in one line."""
+    from pydantic import ValidationError
+
+    flags = {k.removeprefix("setting_"): v for k, v in vars(args).items() if k.startswith("setting_")}
+    try:
+        return Settings.from_env(**flags)
+    except ValidationError as exc:
+        problems = []
+        for e in exc.errors():
+            name = str(e["loc"][0]) if e["loc"] else "?"
+            where = "--" + name.replace("_", "-") if name in flags else f"QGEMM_{name.upper()}"
+            problems.append(f"{where}={e.get('input')!r}: {e['msg']}")
+        raise SettingsError("; ".join(problems)) from None
+
+
+class SettingsError(ValueError):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    from app import __version__
+
     parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"qgemm {__version__}")
+    sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("fetch", help="write the demo model and fetch the real ones: SmolLM2-135M and Gemma 3 "
                        "270M Q4_K_M (idempotent)")
     p.add_argument("--demo-only", action="store_true", help="write the demo model only (no network)")
     p.add_argument("--model", action="append", choices=["smollm2", "gemma3-q4_k_m"],
                    help="a real model to fetch (repeatable; default: every one)")
-    p = sub.add_parser("serve", help="serve the HTTP API with uvicorn (or Ray Serve: --ray)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    p = sub.add_parser("serve", help="serve the HTTP API with uvicorn (or Ray Serve: --ray)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ray", action="store_true", help="serve through Ray Serve: one replica per GPU of the Ray "
                    "cluster (joined, or started here), autoscaled (needs the ray extra)")
     p.add_argument("--replicas", type=int, default=None, help="--ray: this many replicas instead of autoscaling")
+    add_settings(p)
     p = sub.add_parser("inspect", help="summarise a GGUF file")
     p.add_argument("file")
     p.add_argument("--json", action="store_true")
@@ -274,7 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
-    settings = Settings.from_env()
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        settings = settings_of(args)
+    except SettingsError as exc:
+        print(f"qgemm: bad setting: {exc}", file=sys.stderr)
+        return 2
+    if args.command != "serve":
+        from app import logs
+
+        logs.setup(settings.log_level, settings.log_format)
     commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench,
                 "loadtest": cmd_loadtest, "soak": cmd_soak}
     return commands[args.command](args, settings)

@@ -59,7 +59,7 @@ class ModelSummary(BaseModel):
     id: str
     file: str
     size_bytes: int
-    status: Literal["ok", "error"]
+    status: Literal["ok", "error", "loading"]  # loading: a large header being read in the background
     error: str | None
     architecture: str | None
     tensor_count: int

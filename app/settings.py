@@ -1,4 +1,4 @@
-"""Settings, read once from QGEMM_* environment variables."""
+"""Settings: QGEMM_* environment variables (through pydantic-settings), and the same as flags of `qgemm serve`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
 
@@ -16,37 +17,59 @@ def default_models_dir() -> Path:
     return Path(base) / "qgemm" / "models"
 
 
-class Settings(BaseModel):
-    models_dir: Path = Field(default_factory=default_models_dir)
-    backend: Literal["auto", "cuda", "cpu"] = "auto"
-    max_body_bytes: int = Field(256 * MiB, gt=0)
-    max_rows: int = Field(8192, gt=0)  # M of one request
-    max_header_bytes: int = Field(64 * MiB, gt=0)  # a GGUF header larger than this is refused (it is parsed in memory)
-    api_key: str | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(8000, gt=0, lt=65536)
-    cpu_cache_bytes: int = Field(2048 * MiB, ge=0)  # prepared weights kept for the CPU kernels
-    gpu_memory_bytes: int | None = Field(None, ge=0)  # resident weights on the GPU; None: a share of free
-    log_level: str = "info"
-    batch_max_rows: int = Field(512, gt=0)  # rows of one batched product; longer requests are cut into chunks
-    batch_wait_us: int = Field(100, ge=0)  # after a batch, when others queue: time to take in more; 0: no batching
-    gil_switch_us: int | None = Field(None, gt=0)  # Python thread switch interval (its default: 5000 µs)
-    access_log: bool = False  # uvicorn's line per request (off: it costs more than a small product)
-    # server processes: >1 runs HTTP in that many processes (one event loop is the limit near 3,000 requests/s,
-    # docs/reports/service.md), each with its own engine: its own copy of the weights on the GPU, its own batching and
-    # its own /metrics; give each a share of the GPU with QGEMM_GPU_MEMORY_BYTES
-    workers: int = Field(1, ge=1, le=64)
-    # GET .../quantization requantizes a tensor six ways in host memory: tensors above this many values are refused
-    quant_compare_max_values: int = Field(1 << 25, gt=0)
-    # the GPUs to serve on: "all" (every device CuPy sees) or CUDA ordinals "0,1"; one worker per device
-    devices: str | None = None
-    # CPU workers: 1; more make "fake devices" (each its own thread and cpu_cache_bytes) on which tensors are
-    # placed, replicated and split as on GPUs: placement and routing tested without a GPU
-    cpu_devices: int = Field(1, ge=1, le=64)
-    # page-locked host memory that large outputs (1 MiB and up) are copied into straight from the GPU, reused
-    # across requests (kernels/cuda/host_memory.py); beyond it outputs take the staging copy; 0 turns it off
-    pinned_output_bytes: int = Field(1024 * MiB, ge=0)
-    dependent_launch: bool = True  # M = 1: gemv and the split quantize overlap each other (sm_90+; kernels/cuda/pdl.py)
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qgemm"
+
+
+class Settings(BaseSettings):
+    """Every setting is a QGEMM_* environment variable (QGEMM_MODELS_DIR for models_dir) and a flag of `qgemm
+    serve` (--models-dir); a flag wins over the variable.  The descriptions are the flags' help."""
+
+    model_config = SettingsConfigDict(env_prefix="QGEMM_", extra="ignore", validate_default=True)
+
+    models_dir: Path = Field(default_factory=default_models_dir, description="the directory of .gguf files")
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="what is kept across starts: the indexes of large GGUF headers")
+    write_demo: bool | None = Field(None, description="write the demo model if it is missing (default: only into "
+                                                      "the default models directory)")
+    backend: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto: CUDA when CuPy sees a usable device, else the CPU; cuda: fail without one")
+    host: str = Field("127.0.0.1", description="the address to listen on")
+    port: int = Field(8000, gt=0, lt=65536, description="the port to listen on")
+    api_key: str | None = Field(None, description="when set, every /v1 route needs Authorization: Bearer <key>")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line")
+    access_log: bool = Field(False, description="uvicorn's line per request (it costs more than a small product)")
+    max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    max_rows: int = Field(8192, gt=0, description="largest M of one request")
+    max_header_bytes: int = Field(64 * MiB, gt=0, description="largest GGUF header read (it is parsed into Python "
+                                                              "objects, ~20x its size); larger: listed as an error")
+    cpu_cache_bytes: int = Field(2048 * MiB, ge=0, description="prepared weights kept for the CPU kernels (LRU)")
+    gpu_memory_bytes: int | None = Field(None, ge=0, description="budget for weights resident on each GPU (LRU); "
+                                                                 "default: 80%% of the free memory at start")
+    batch_max_rows: int = Field(512, gt=0, description="most rows in one batched product; a longer request is cut "
+                                                       "into chunks of this many")
+    batch_wait_us: int = Field(100, ge=0, description="after a product, when others queue, how long to take in "
+                                                      "more requests before the next; 0 turns batching off")
+    gil_switch_us: int | None = Field(None, gt=0, description="Python's thread switch interval (default 5000)")
+    workers: int = Field(1, ge=1, le=64, description="server processes on the one port, each with its own engine, "
+                                                     "weights, batching and /metrics")
+    quant_compare_max_values: int = Field(1 << 25, gt=0, description="largest tensor the quantization report "
+                                                                     "requantizes (host memory)")
+    devices: str | None = Field(None, description="the GPUs to serve on: all, or CUDA ordinals like 0,1 (a worker "
+                                                  "per device)")
+    cpu_devices: int = Field(1, ge=1, le=64, description="CPU workers; more are fake devices on which tensors are "
+                                                         "placed, replicated and split as on GPUs")
+    pinned_output_bytes: int = Field(1024 * MiB, ge=0, description="page-locked host memory that outputs of 1 MiB "
+                                                                   "and more are written into by the GPU; 0: off")
+    dependent_launch: bool = Field(True, description="on sm_90+, M = 1 products overlap their neighbours "
+                                                     "(programmatic dependent launch)")
+
+    @property
+    def index_dir(self) -> Path:
+        """Indexes of large GGUF headers, one per file version (models/gguf_index.py)."""
+        return self.cache_dir / "gguf-index"
 
     @field_validator("api_key")
     @classmethod
@@ -55,10 +78,14 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        values: dict[str, object] = {}
-        for name in cls.model_fields:
-            env = os.environ.get(f"QGEMM_{name.upper()}")
-            if env is not None:
-                values[name] = env
-        values.update(overrides)
-        return cls(**values)
+        """The environment's settings, `overrides` (flags, tests) taking precedence."""
+        return cls(**overrides)
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as QGEMM_* variables, for processes that build their own (uvicorn's workers)."""
+        out = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is not None:
+                out[f"QGEMM_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        return out

@@ -34,7 +34,7 @@ class BlockFormat:
     mmq_ds_layout: str = ""
     is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
     # float matrices: the formula llama.cpp computes them with at M = 1 and above (measured against ggml,
-    # docs/reports/formats-legacy-and-float.md): F16's mul_mat_vec_f sums half2 FMAs; above 1, cuBLAS on activations rounded to the
+    # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; above 1, cuBLAS on activations rounded to the
     # weights' type (bf16, or f16: ggml also accumulates F16 in half, which we do not follow: fp32 here)
     float_formulas: tuple[str, str] = ("f32", "f32")
     # grouped formats (K-quants, IQ4_NL/IQ4_XS, MXFP4; kernels/groups.py decodes them): integer values with a

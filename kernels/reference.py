@@ -508,7 +508,7 @@ def ref_f16_mmvf(w16: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray
     """Y [1, N] as llama.cpp multiplies an F16 matrix by one activation row (`mul_mat_vec_f`, its default
     precision): thread t of a row's block keeps a half2 sum over value pairs t, t + bs, ...; each pair adds
     fma(w, half(x), sum) rounded to half once (hfma2); then low + high in float, a butterfly warp sum, the
-    warps' sums through shared memory and a second butterfly.  Bit for bit ggml's on the H100 (docs/reports/formats-legacy-and-float.md)."""
+    warps' sums through shared memory and a second butterfly.  Bit for bit ggml's on the H100 (docs/accuracy.md)."""
     w16 = np.asarray(w16, np.float16)
     n, k = w16.shape
     x = np.asarray(x, np.float32).reshape(-1)

@@ -111,8 +111,11 @@ def _demo_tensor(i: int, qtype: GGMLQuantizationType, shape: tuple[int, ...]) ->
 
 def write_demo(path: Path) -> Path:
     """Write the demo GGUF to `path` atomically."""
-    return write_gguf(path, [(name, qtype, _demo_tensor(i, qtype, shape))
-                             for i, (name, qtype, shape) in enumerate(DEMO_TENSORS)],
+    from tqdm import tqdm
+
+    made = tqdm(enumerate(DEMO_TENSORS), total=len(DEMO_TENSORS), desc=f"{path.name} (tensors)", disable=None,
+                leave=False)
+    return write_gguf(path, [(name, qtype, _demo_tensor(i, qtype, shape)) for i, (name, qtype, shape) in made],
                       name="qgemm demo",
                       description="Gaussian weights (scale 0.02, fixed seed) at the seeds' benchmark shapes",
                       uints={"qgemm.demo.seed": DEMO_SEED, "qgemm.demo.version": DEMO_VERSION})
@@ -122,10 +125,9 @@ def demo_version(path: Path) -> int | None:
     from models.store import ModelStore
 
     model = ModelStore(path.parent).get(path.stem)
-    if model.reader is None:
+    if model.index is None:
         return None
-    f = model.reader.fields.get("qgemm.demo.version")
-    return int(f.contents()) if f is not None else 1
+    return int(model.index.metadata.get("qgemm.demo.version", 1))
 
 
 def ensure_demo(models_dir: Path) -> tuple[Path, bool]:

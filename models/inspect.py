@@ -7,56 +7,20 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, LlamaFileType, quants
+from gguf import GGMLQuantizationType, quants
 
-from models.store import Model, TensorInfo, field_contents
-
-ARRAY_HEAD = 8  # items shown of a long array
-ARRAY_FULL = 16  # arrays up to this length are shown whole
-STRING_MAX = 4096  # longer strings (chat templates) are cut, with their length given
-
-
-def _value(v: Any) -> Any:
-    if isinstance(v, str) and len(v) > STRING_MAX:
-        return {"type": "STRING", "length": len(v), "first": v[:STRING_MAX] + "…"}
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, float) and not np.isfinite(v):
-        return str(v)
-    return v
-
-
-def field_summary(field: Any) -> Any:
-    types = list(field.types)
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        n = len(field.data)
-        item_type = types[-1].name if len(types) > 1 else "UNKNOWN"
-        if n <= ARRAY_FULL:
-            return [_value(x) for x in field_contents(field)]
-        return {"type": "ARRAY", "item_type": item_type, "length": n,
-                "first": [_value(x) for x in field_contents(field, slice(0, ARRAY_HEAD))]}
-    return _value(field_contents(field))
+from models.store import Model, TensorInfo
 
 
 def header(model: Model) -> dict[str, Any]:
-    r = model.reader
-    assert r is not None
-    f = r.fields
-    return {
-        "version": int(field_contents(f["GGUF.version"])),
-        "tensor_count": int(field_contents(f["GGUF.tensor_count"])),
-        "kv_count": int(field_contents(f["GGUF.kv_count"])),
-        "alignment": int(r.alignment),
-        "data_offset": int(r.data_offset),
-        "byte_order": "little" if r.byte_order == "I" else "big",
-    }
+    assert model.index is not None
+    return dict(model.index.header)
 
 
 def metadata(model: Model) -> dict[str, Any]:
-    assert model.reader is not None
-    return {k: field_summary(v) for k, v in model.reader.fields.items() if not k.startswith("GGUF.")}
+    """Every metadata key but GGUF.*, long arrays summarised (type, length, first items)."""
+    assert model.index is not None
+    return dict(model.index.metadata)
 
 
 def types_summary(model: Model) -> dict[str, dict[str, int]]:
@@ -78,13 +42,7 @@ def quant_mix(model: Model) -> dict[str, Any]:
             nbytes[t.type_name] += t.n_bytes
     total = sum(nbytes.values())
     shares = {k: round(v / total, 4) for k, v in nbytes.most_common()} if total else {}
-    file_type = None
-    f = model.reader.fields.get("general.file_type") if model.reader is not None else None
-    if f is not None:
-        try:
-            file_type = LlamaFileType(int(field_contents(f))).name
-        except (ValueError, TypeError):
-            file_type = str(field_contents(f))
+    file_type = model.index.file_type if model.index is not None else None
     parts = ", ".join(f"{round(100 * v)}% {k}" for k, v in shares.items())
     name = file_type.removeprefix("MOSTLY_") + "-like: " if file_type else ""
     return {"file_type": file_type, "by_bytes": shares, "summary": f"{name}{parts} by bytes" if parts else ""}

@@ -20,69 +20,37 @@ so nothing here trusts a table read earlier:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import tempfile
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from kernels.formats import FORMATS, MATMUL_TYPES
+from models.gguf_index import (
+    DEFAULT_MAX_HEADER_BYTES,
+    FileChanged,
+    FileId,
+    GgufIndex,
+    HeaderTooLarge,
+    IndexCache,
+    TensorInfo,
+    read_in_child,
+    read_index,
+)
 
-MiB = 1 << 20
-FIRST_HEADER_READ = 4 * MiB  # most headers fit; a tokenizer of 150k tokens takes ~5 MiB
-DEFAULT_MAX_HEADER_BYTES = 64 * MiB  # a header is parsed into Python objects (~20x its bytes): this bounds them
+__all__ = ["DEFAULT_MAX_HEADER_BYTES", "FileChanged", "FileId", "Model", "ModelStore", "NotFound", "TensorInfo"]
+log = logging.getLogger("qgemm")
+LOADING_WAIT_S = 300.0  # longest a request waits for a large header being read (a tokenizer: ~10 s)
 
 
 class NotFound(LookupError):
     pass
-
-
-class FileChanged(RuntimeError):
-    """The file no longer is the one whose table a request used; the store re-reads it on next use."""
-
-
-@dataclass(frozen=True)
-class FileId:
-    """What says that a path still holds the same bytes: a rename gives a new inode, a rewrite a new
-    size or mtime (to the file system's clock granularity, a few ms at worst)."""
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileId:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    type_name: str
-    shape: tuple[int, ...]  # row-major: a matrix is [N, K] (GGUF's ne is [K, N])
-    n_elements: int
-    n_bytes: int
-    offset: int  # absolute offset of the data in the file
-
-    @property
-    def matmul(self) -> bool:
-        return self.matmul_reason is None
-
-    @property
-    def matmul_reason(self) -> str | None:
-        """Why this tensor cannot be a matmul's weights, or None."""
-        if len(self.shape) != 2:
-            return f"tensor {self.name!r} has {len(self.shape)} dimension(s); matmul needs a 2-D matrix"
-        if self.type_name not in MATMUL_TYPES:
-            return (f"tensor {self.name!r} is {self.type_name}; matmul supports "
-                    f"{', '.join(sorted(MATMUL_TYPES))}")
-        return None
 
 
 @dataclass
@@ -90,11 +58,14 @@ class Model:
     id: str
     path: Path
     file: FileId
-    status: str = "ok"
+    status: str = "ok"  # "ok", "error", or "loading" while a large header is read in the background
     error: str | None = None
-    reader: GGUFReader | None = None  # over a copy of the header: fields only, no tensor data
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    _layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = field(default_factory=dict, repr=False)
+    index: GgufIndex | None = None
+    loaded: Future[Model] | None = field(default=None, repr=False)  # while loading: the model it becomes
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.index.tensors if self.index is not None else {}
 
     @property
     def size_bytes(self) -> int:
@@ -108,16 +79,14 @@ class Model:
 
     @property
     def architecture(self) -> str | None:
-        if self.reader is None:
-            return None
-        f = self.reader.fields.get("general.architecture")
-        return str(field_contents(f)) if f is not None else None
+        return self.index.architecture if self.index is not None else None
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (values for F32/F16) in the shape gguf's reader gives them, read from the
         file now; FileChanged if the file is no longer the one the table was read from."""
         info = self.tensors[name]
-        dtype, shape = self._layout[name]
+        assert self.index is not None
+        dtype, shape = self.index.layouts[name]
         out = np.empty(info.n_bytes, np.uint8)
         try:
             with open(self.path, "rb", buffering=0) as fh:
@@ -133,121 +102,21 @@ class Model:
                     raise FileChanged(f"model {self.id!r}: {self.path.name} changed while {name!r} was read")
         except FileNotFoundError:
             raise FileChanged(f"model {self.id!r}: {self.path.name} was removed") from None
-        return out.view(dtype).reshape(shape)
-
-
-def field_contents(field: Any, index: int | slice = slice(None)) -> Any:
-    """A metadata field's value (gguf's `contents`), with strings that are not UTF-8 decoded with U+FFFD
-    for the bad bytes instead of raising: a file's bytes are whatever its writer put there."""
-    try:
-        return field.contents(index)
-    except UnicodeDecodeError:
-        def text(part: np.ndarray) -> str:
-            return part.tobytes().decode("utf-8", "replace")
-        if field.types[0] == GGUFValueType.STRING:
-            return text(field.parts[-1])
-        picked = field.data[index]
-        return text(field.parts[picked]) if isinstance(index, int) else [text(field.parts[i]) for i in picked]
-
-
-class _HeaderReader(GGUFReader):
-    """gguf's reader over a copy of the header alone.  Tensor data views are shape-only placeholders
-    (zero strides, no memory): the store reads tensor bytes itself, so nothing maps the file."""
-
-    _placeholders = False
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        self._placeholders = True
-        try:
-            super()._build_tensors(start_offs, fields)
-        finally:
-            self._placeholders = False
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        if self._placeholders:
-            return np.broadcast_to(np.zeros((), dtype), (int(count),))
-        return super()._get(offset, dtype, count, override_order)
-
-
-def _header_copy(data: bytes) -> Any:
-    """An anonymous file holding `data` (the reader maps files, not bytes)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("qgemm-gguf-header", os.MFD_CLOEXEC)
-        fh = open(fd, "w+b")
-    else:
-        fh = tempfile.TemporaryFile()
-    fh.write(data)
-    fh.flush()
-    fh.seek(0)
-    return fh
-
-
-def _read_header(fh: Any, size: int, max_header: int) -> GGUFReader:
-    """Parse the header from a growing prefix of the file: a parse that needed bytes past the prefix
-    fails or ends at its edge, and is repeated on a longer one, up to `max_header` bytes."""
-    prefix = min(size, FIRST_HEADER_READ, max_header)
-    while True:
-        data = os.pread(fh.fileno(), prefix, 0)
-        if len(data) < prefix:
-            raise FileChanged("the file shrank while its header was read")
-        error: Exception | None = None
-        with _header_copy(data) as copy:
-            try:
-                with np.errstate(all="ignore"):  # hostile counts overflow numpy scalars: checked in _open
-                    reader = _HeaderReader(copy, "r")
-                if prefix == size or reader.data_offset < prefix:
-                    return reader
-            except Exception as exc:  # gguf raises IndexError, ValueError, ... on cut or garbled headers
-                error = exc
-        if prefix >= min(size, max_header):
-            if prefix < size:
-                raise ValueError(f"the header is larger than the limit of {max_header} bytes "
-                                 "(QGEMM_MAX_HEADER_BYTES) or garbled")
-            assert error is not None
-            raise ValueError(f"corrupt or truncated GGUF ({type(error).__name__}: {error})") from error
-        prefix = min(size, max_header, prefix * 4)
-
-
-def _open(model: Model, max_header: int) -> None:
-    with open(model.path, "rb", buffering=0) as fh:
-        if FileId.of(os.fstat(fh.fileno())) != model.file:
-            raise FileChanged("the file changed while it was opened")
-        size = model.file.size
-        if size == 0:
-            raise ValueError("file is empty")
-        if os.pread(fh.fileno(), 4, 0) != b"GGUF":
-            raise ValueError("not a GGUF file (magic bytes are not 'GGUF')")
-        reader = _read_header(fh, size, max_header)
-        if FileId.of(os.fstat(fh.fileno())) != model.file:
-            raise FileChanged("the file changed while its header was read")
-    tensors: dict[str, TensorInfo] = {}
-    layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-    for t in reader.tensors:
-        ttype = GGMLQuantizationType(int(t.tensor_type))
-        shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
-        n_el = int(t.n_elements)
-        if int(np.prod(shape, dtype=object)) != n_el or n_el < 0:
-            raise ValueError(f"tensor {t.name!r}: shape {shape} does not hold {n_el} elements")
-        if int(reader.data_offset) + int(t.field.parts[-1][0]) != int(t.data_offset):
-            raise ValueError(f"tensor {t.name!r}: its data offset {int(t.field.parts[-1][0])} overflows 64 bits")
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ValueError(f"tensor {t.name!r} ends at byte {end}, past the end of the file "
-                             f"({size} bytes): truncated?")
-        fmt = FORMATS.get(ttype)
-        if fmt is not None and len(shape) >= 1 and shape[-1] % fmt.block_values:
-            raise ValueError(f"tensor {t.name!r}: row of {shape[-1]} is not whole {fmt.name} blocks")
-        tensors[t.name] = TensorInfo(t.name, ttype.name, shape, n_el, int(t.n_bytes), int(t.data_offset))
-        layout[t.name] = (t.data.dtype, tuple(int(s) for s in t.data.shape))
-    model.reader, model.tensors, model._layout = reader, tensors, layout
+        return out.view(np.dtype(dtype)).reshape(shape)
 
 
 class ModelStore:
     def __init__(self, models_dir: Path, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-                 on_retire: Callable[[Model], None] | None = None):
+                 on_retire: Callable[[Model], None] | None = None, cache_dir: Path | None = None,
+                 background: bool = False):
+        """`cache_dir`: where indexes of large headers are kept per file version (None: nowhere).
+        `background`: read a header past the first 256 KiB in a child process while the model is listed as
+        "loading" (the server: nothing waits on a tokenizer but the requests for that model); else here."""
         self.models_dir = Path(models_dir)
         self.max_header_bytes = max_header_bytes
         self.on_retire = on_retire  # told of each version that is replaced or removed
+        self.cache = IndexCache(cache_dir)
+        self.background = background
         self._models: dict[str, Model] = {}
         self._lock = threading.RLock()
 
@@ -264,18 +133,54 @@ class ModelStore:
                 return None  # vanished, or a broken link
             if not path.is_file():
                 return None
-            if old is not None and old.path == path and old.file == FileId.of(st):
-                return old
-            model = Model(model_id, path, FileId.of(st))
+            file = FileId.of(st)
+            if old is not None and old.path == path and old.file == file:
+                done = old.loaded is not None and old.loaded.done()
+                return old.loaded.result() if done else old  # type: ignore[union-attr]
+            model = Model(model_id, path, file, index=self.cache.get(path, file))
+            if model.index is not None:
+                return model
             try:
-                _open(model, self.max_header_bytes)
+                model.index = read_index(path, file, self.max_header_bytes, inline_only=self.background)
+            except HeaderTooLarge:
+                return self._read_in_background(model)
             except FileChanged:
                 continue
             except Exception as exc:  # any way a file can be broken: list it, keep the others
                 model.status, model.error = "error", f"{type(exc).__name__}: {exc}"
-                model.reader, model.tensors = None, {}
+                return model
+            if model.index.header["data_offset"] > (256 << 10):  # read slowly here (a tool): the server won't
+                self.cache.put(path, file, model.index.to_json())
             return model
         model.status, model.error = "error", "FileChanged: the file kept changing while it was read"
+        return model
+
+    def _read_in_background(self, model: Model) -> Model:
+        """List `model` as loading while a child process reads its header; then put the result in its place."""
+        model.status, model.loaded = "loading", Future()
+        log.info("model %s: reading its %s MiB file's header in the background", model.id, model.file.size >> 20)
+        t0 = time.perf_counter()
+
+        def done(child: Future) -> None:
+            new = Model(model.id, model.path, model.file)
+            try:
+                data, error = child.result()
+            except Exception as exc:  # FileChanged (the next look reads it again), or the child died
+                data, error = None, f"{type(exc).__name__}: {exc}"
+            if data is not None:
+                new.index = GgufIndex.from_json(data)
+                self.cache.put(model.path, model.file, data)
+                log.info("model %s: %d tensors, header read in %.1f s", model.id, len(new.tensors),
+                         time.perf_counter() - t0)
+            else:
+                new.status, new.error = "error", error
+                log.warning("model %s: %s", model.id, error)
+            with self._lock:
+                if self._models.get(model.id) is model:
+                    self._models[model.id] = new
+            model.loaded.set_result(new)  # type: ignore[union-attr]
+
+        read_in_child(model.path, model.file, self.max_header_bytes).add_done_callback(done)
         return model
 
     def scan(self) -> list[Model]:
@@ -302,6 +207,8 @@ class ModelStore:
         model = self._models.get(model_id)
         if model is None:
             return None
+        if model.status == "loading":
+            return None  # `get` waits for it, on a thread
         try:
             st = os.stat(model.path)
         except OSError:
@@ -327,7 +234,22 @@ class ModelStore:
                 self._models.pop(model_id, None)
                 raise NotFound(f"model {model_id!r} not found; known models: {', '.join(sorted(self._models))}")
             self._models[model_id] = model
-            return model
+        if model.loaded is not None:  # a large header being read: this request waits for it, no other does
+            model = model.loaded.result(LOADING_WAIT_S)
+        return model
+
+    def read_file(self, path: Path) -> Model | None:
+        """The model in one file of the directory, read now (whatever its header's size), or None if there is
+        none; nothing else in the directory is read."""
+        return self._read(path.name[: -len(".gguf")], path, None)
+
+    def settled(self, timeout: float = LOADING_WAIT_S) -> list[Model]:
+        """Every model, once none is still loading (tools and tests that need every table)."""
+        models = self.scan()
+        for m in models:
+            if m.loaded is not None:
+                m.loaded.result(timeout)
+        return self.scan()
 
     @staticmethod
     def tensor_of(model: Model, name: str) -> tuple[Model, TensorInfo]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,12 @@ from app.main import create_app
 from app.settings import Settings
 from models.demo import ensure_demo
 from models.fetch import GEMMA3_Q4_K_M, SMOLLM2
+from models.store import ModelStore
 
+# the header indexes of this run (models/gguf_index.py), for its TestClients and for the servers its tests start:
+# large headers are read once per run, by `real_models_dir`, not once per client
+CACHE_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-cache-"))
+os.environ["QGEMM_CACHE_DIR"] = str(CACHE_DIR)
 SMOL_ID = SMOLLM2.file[: -len(".gguf")]
 GEMMA_ID = GEMMA3_Q4_K_M.file[: -len(".gguf")]
 
@@ -46,7 +52,9 @@ def find_real_models_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def real_models_dir() -> Path:
-    return find_real_models_dir()
+    d = find_real_models_dir()
+    ModelStore(d, cache_dir=Settings(cache_dir=CACHE_DIR).index_dir).scan()  # every large header, once
+    return d
 
 
 BROKEN = {
@@ -78,6 +86,7 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) 
 
 
 def make_client(models_dir: Path, **overrides: object) -> TestClient:
+    overrides.setdefault("cache_dir", CACHE_DIR)
     settings = Settings(models_dir=models_dir, backend=overrides.pop("backend", "cpu"), **overrides)
     return TestClient(create_app(settings))
 
@@ -89,6 +98,7 @@ def client(models_dir: Path) -> Iterator[TestClient]:
 
 
 RUN_SEED = int(os.environ.get("QGEMM_TEST_SEED") or secrets.randbits(32))
+os.environ["QGEMM_TEST_SEED"] = str(RUN_SEED)  # pytest-xdist's workers (started after this) draw from the same seed
 SWEEP = max(1, int(os.environ.get("QGEMM_TEST_SEEDS") or 1))
 
 

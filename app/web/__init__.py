@@ -15,7 +15,8 @@ from fastapi.templating import Jinja2Templates
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 
 HERE = Path(__file__).parent
-BENCH_PICTURE = HERE.parents[1] / "docs" / "reports" / "kernel-benchmarks" / "benchmarks.png"  # the committed bench figure, in a source checkout
+# the committed bench figure, in a source checkout
+BENCH_PICTURE = HERE.parents[1] / "docs" / "reports" / "kernel-benchmarks" / "benchmarks.png"
 templates = Jinja2Templates(directory=HERE / "templates")
 router = APIRouter(include_in_schema=False)
 

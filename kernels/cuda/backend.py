@@ -138,8 +138,6 @@ class CudaBackend:
         self.modules = Modules(self.cc, self.sm_count, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
-        log.info("CUDA %d: %s (cc %d), kernels compiled in %.0f ms, weight budget %d MiB", self.device_id,
-                 self.device_name, self.cc, self.modules.compile_ms, budget >> 20)
 
     # -- the worker thread ----------------------------------------------------------------------
     def _call(self, fn: Callable[[], R]) -> R:
