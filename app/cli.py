@@ -58,9 +58,10 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         path, wrote = ensure_demo(settings.models_dir)
         if wrote:
             print(f"wrote the demo model: {path}", file=sys.stderr)
+    if args.ray or settings.workers > 1:  # the flags reach every process that builds its app from the environment
+        os.environ.update(settings.as_env())
     if args.ray:
         return serve_on_ray(settings, args.replicas)
-    os.environ.update(settings.as_env())  # flags reach every process uvicorn starts (QGEMM_WORKERS), and Ray's
     # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
     options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
                                    loop="uvloop", http="httptools", access_log=settings.access_log,

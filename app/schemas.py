@@ -116,6 +116,9 @@ class ModelDetail(ModelSummary):
     header: dict[str, Any] | None
     metadata: dict[str, Any]
     tensor_types: dict[str, TypeSummary]
+    parameter_count: int = Field(0, description="values in all the model's tensors")
+    tensor_bytes: int = Field(0, description="bytes of all the model's tensors (8 * tensor_bytes / parameter_count: "
+                                             "bits per weight)")
     quant_mix: QuantMix | None = None
     resident: Residency
 

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
                                                               "objects, ~20x its size); larger: listed as an error")
     cpu_cache_bytes: int = Field(2048 * MiB, ge=0, description="prepared weights kept for the CPU kernels (LRU)")
     gpu_memory_bytes: int | None = Field(None, ge=0, description="budget for weights resident on each GPU (LRU); "
-                                                                 "default: 80%% of the free memory at start")
+                                                                 "default: 80% of the free memory at start")
     batch_max_rows: int = Field(512, gt=0, description="most rows in one batched product; a longer request is cut "
                                                        "into chunks of this many")
     batch_wait_us: int = Field(100, ge=0, description="after a product, when others queue, how long to take in "

@@ -122,12 +122,18 @@ def test_model_page_filters_groups_and_sorts_the_tensor_table(server: str, page:
     page.goto(f"{server}/ui/models/{SMOL}")
     page.wait_for_selector("#tensors tbody tr.t")
     tensors, groups = page.locator("#tensors tbody tr.t"), page.locator("#tensors tbody tr.group")
-    assert tensors.count() == 272 and groups.count() == 31  # 30 blocks and the tensors outside them
+    # 30 blocks and the tensors outside them; so many layers open folded, all but token_embd and output_norm
+    assert groups.count() == 31 and tensors.count() == 2
+    assert page.get_attribute('button[data-layer="0"]', "aria-expanded") == "false"
     assert page.locator("#by-format svg").count() == 1 and page.locator("#by-layer svg").count() == 1
-    page.click('#tensors tr.group button[data-layer="0"]')  # fold blk.0
-    assert tensors.count() == 263 and page.get_attribute('button[data-layer="0"]', "aria-expanded") == "false"
+    assert "parameters at" in page.locator("#summary").inner_text()  # the parameter count and bits per weight
+    page.click('#tensors tr.group button[data-layer="0"]')  # unfold blk.0
+    assert tensors.count() == 11 and page.get_attribute('button[data-layer="0"]', "aria-expanded") == "true"
     page.click('#tensors tr.group button[data-layer="0"]')
+    assert tensors.count() == 2
+    page.click("#fold-all")  # unfold all
     assert tensors.count() == 272
+    assert "ne: [576, 576]" in page.get_attribute('tr:has(a[href$="/blk.0.attn_q.weight"]) td:nth-child(4)', "title")
     page.fill("#filter", "attn_q")
     assert tensors.count() == 30 and groups.count() == 30  # one per block; the empty group is gone
     page.fill("#filter", "q8_0")
@@ -138,6 +144,9 @@ def test_model_page_filters_groups_and_sorts_the_tensor_table(server: str, page:
     page.select_option("#min-bytes", "0")
     page.uncheck("#grouped")
     assert groups.count() == 0 and tensors.count() == 272
+    page.click('#tensors th button[data-key="name"]')
+    names = [a.inner_text() for a in page.locator("#tensors tbody tr.t td:nth-child(2) a").all()]
+    assert names.index("blk.2.attn_k.weight") < names.index("blk.10.attn_k.weight")  # natural order
     page.click('#tensors th button[data-key="n_bytes"]')
     page.click('#tensors th button[data-key="n_bytes"]')  # descending: the largest first
     assert "token_embd.weight" in tensors.first.inner_text()

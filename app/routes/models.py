@@ -90,6 +90,8 @@ def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
             "header": inspect.header(model) if ok else None,
             "metadata": inspect.metadata(model) if ok else {},
             "tensor_types": inspect.types_summary(model),
+            "parameter_count": sum(t.n_elements for t in model.tensors.values()),
+            "tensor_bytes": sum(t.n_bytes for t in model.tensors.values()),
             "quant_mix": inspect.quant_mix(model) if ok else None,
             "resident": request.app.state.engine.residency(model)}
 

@@ -56,9 +56,15 @@ const fmtBytes = (n) => {
   while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 };
+const fmtCount = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)}B` : n >= 1e6 ? `${(n / 1e6).toFixed(1)}M` : `${n}`);
 const fmtNum = (v) => (v === null || v === undefined ? "" : Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3)
   ? v.toExponential(3) : Number(v.toPrecision(5)).toString());
 const layerOf = (name) => { const m = /^blk\.(\d+)\./.exec(name); return m ? Number(m[1]) : -1; };
+// names in natural order: blk.2 before blk.10
+const natural = new Intl.Collator(undefined, { numeric: true }).compare;
+const FOLD_ABOVE = 8;  // a model of more layer groups than this opens with its blocks folded
+// shapes are row-major [N, K]; GGUF (and gguf-dump, llama.cpp's logs) list ggml's ne = [K, N]
+const shapeTitle = (shape) => `qgemm (row-major): [${shape.join(", ")}]; GGUF's ne: [${[...shape].reverse().join(", ")}]`;
 
 // Horizontal bars (label, value) as SVG, with each bar's title for exact numbers.
 function bars(container, rows, format = fmtBytes) {
@@ -144,8 +150,10 @@ const pages = {
     const id = document.body.dataset.model;
     const [d, { tensors }] = await Promise.all([api(`/v1/models/${encodeURIComponent(id)}`),
       api(`/v1/models/${encodeURIComponent(id)}/tensors`)]);
+    const params = d.parameter_count ? `, ${fmtCount(d.parameter_count)} parameters at ` +
+      `${(8 * d.tensor_bytes / d.parameter_count).toFixed(2)} bits each` : "";
     document.getElementById("summary").textContent =
-      `${d.file}, ${fmtBytes(d.size_bytes)}, ${d.architecture || "no architecture"}, ${d.tensor_count} tensors` +
+      `${d.file}, ${fmtBytes(d.size_bytes)}, ${d.architecture || "no architecture"}, ${d.tensor_count} tensors${params}` +
       (d.quant_mix ? `; ${d.quant_mix.summary}` : "");
     definitions(document.getElementById("header"), Object.entries(d.header || {}).map(([k, v]) => [k, String(v)]));
     bars(document.getElementById("by-format"),
@@ -155,24 +163,30 @@ const pages = {
       const l = layerOf(t.name), k = l < 0 ? "other" : `blk.${l}`;
       perLayer.set(k, (perLayer.get(k) || 0) + t.n_bytes);
     }
-    bars(document.getElementById("by-layer"), [...perLayer.entries()]);
+    bars(document.getElementById("by-layer"), [...perLayer.entries()].sort((a, b) => natural(a[0], b[0])));
     definitions(document.getElementById("metadata"), Object.entries(d.metadata).map(([k, v]) => {
       if (v && typeof v === "object" && v.type === "ARRAY") {  // summarised by the API: its length and first items
         const more = el("details", {}, el("summary", { text: `${v.item_type} array of ${v.length}` }),
           el("code", { text: JSON.stringify(v.first) + (v.length > v.first.length ? " …" : "") }));
         return [k, more];
       }
+      if (k === "general.file_type" && d.quant_mix && d.quant_mix.file_type) return [k, `${v} (${d.quant_mix.file_type})`];
       const s = typeof v === "string" ? v : JSON.stringify(v);
       return [k, s.length > 200 ? el("details", {}, el("summary", { text: `${s.slice(0, 80)}…` }), el("code", { text: s })) : s];
     }));
     const rows = tensors.map((t) => ({ ...t, layer: layerOf(t.name), shapeText: t.shape.join(" × ") }));
     const tbody = document.querySelector("#tensors tbody"), filter = document.getElementById("filter");
-    const grouped = document.getElementById("grouped"), minBytes = document.getElementById("min-bytes"), folded = new Set();
+    const grouped = document.getElementById("grouped"), minBytes = document.getElementById("min-bytes");
+    const layers = [...new Set(rows.map((t) => t.layer))].sort((a, b) => a - b);
+    // many layers: the table opens folded (the metadata below it stays in reach); a search unfolds them
+    const folded = new Set(layers.length > FOLD_ABOVE ? layers.filter((l) => l >= 0) : []);
+    const foldAll = document.getElementById("fold-all");
     let sortKey = "layer", ascending = true;
     const tensorRow = (t) => el("tr", { class: "t" },
       el("td", { text: t.layer < 0 ? "" : t.layer }),
       el("td", {}, el("a", { href: `/ui/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(t.name)}`, text: t.name })),
-      el("td", { text: t.type }), el("td", { text: t.shapeText }), el("td", { text: fmtBytes(t.n_bytes) }),
+      el("td", { text: t.type }), el("td", { text: t.shapeText, title: shapeTitle(t.shape) }),
+      el("td", { text: fmtBytes(t.n_bytes) }),
       el("td", {}, t.matmul ? el("a", { href: `/ui/matmul?model=${encodeURIComponent(id)}&tensor=${encodeURIComponent(t.name)}`, text: "multiply" }) : ""));
     // A layer's heading row: a button folds or unfolds its tensors (keyboard: Tab to it, Enter or Space).
     const groupRow = (layer, members) => {
@@ -187,9 +201,12 @@ const pages = {
       const shown = rows.filter((t) => t.n_bytes >= least && (!q || t.name.toLowerCase().includes(q) ||
         t.type.toLowerCase().includes(q) || t.shapeText.includes(q)));
       const key = sortKey === "shape" ? (t) => t.shape.reduce((a, b) => a * b, 1) : (t) => t[sortKey];
-      shown.sort((a, b) => (key(a) < key(b) ? -1 : key(a) > key(b) ? 1 : a.name < b.name ? -1 : 1) * (ascending ? 1 : -1));
-      if (grouped.checked) {  // the sort holds within each layer; layers in file order, the rest first
-        const groups = new Map([...new Set(rows.map((t) => t.layer))].sort((a, b) => a - b).map((l) => [l, []]));
+      const cmp = (a, b) => (typeof a === "string" ? natural(a, b) : a < b ? -1 : a > b ? 1 : 0);
+      shown.sort((a, b) => (cmp(key(a), key(b)) || natural(a.name, b.name)) * (ascending ? 1 : -1));
+      foldAll.hidden = !grouped.checked;
+      foldAll.textContent = folded.size ? "unfold all" : "fold all";
+      if (grouped.checked) {  // the sort holds within each layer; layers in their order, the rest first
+        const groups = new Map(layers.map((l) => [l, []]));
         for (const t of shown) groups.get(t.layer).push(t);
         tbody.replaceChildren(...[...groups].filter(([, m]) => m.length).flatMap(([layer, members]) =>
           [groupRow(layer, members), ...(folded.has(layer) ? [] : members.map(tensorRow))]));
@@ -198,7 +215,16 @@ const pages = {
       }
       document.getElementById("count").textContent = `${shown.length} of ${rows.length}`;
     };
-    filter.addEventListener("input", render);
+    let searching = false;
+    filter.addEventListener("input", () => {
+      if (filter.value.trim() && !searching) folded.clear();  // a new search shows every match
+      searching = Boolean(filter.value.trim());
+      render();
+    });
+    foldAll.addEventListener("click", () => {
+      if (folded.size) folded.clear(); else for (const l of layers) folded.add(l);
+      render();
+    });
     grouped.addEventListener("change", render);
     minBytes.addEventListener("change", render);
     for (const b of document.querySelectorAll("#tensors th button")) {
@@ -218,7 +244,8 @@ const pages = {
     const base = `/v1/models/${encodeURIComponent(id)}/tensors/${encodeURIComponent(name)}`;
     const t = await api(base);
     const s = t.stats;
-    definitions(document.getElementById("facts"), [["type", t.type], ["shape", t.shape.join(" × ")],
+    definitions(document.getElementById("facts"), [["type", t.type],
+      ["shape", el("span", { title: shapeTitle(t.shape), text: `${t.shape.join(" × ")} (GGUF's ne: ${[...t.shape].reverse().join(" × ")})` })],
       ["bytes", fmtBytes(t.n_bytes)], ["block format", t.block_format || "-"],
       ["multiplies", t.matmul ? "yes" : `no: ${t.matmul_reason}`],
       ...(s ? [["min / max", `${fmtNum(s.min)} / ${fmtNum(s.max)}`], ["mean ± std", `${fmtNum(s.mean)} ± ${fmtNum(s.std)}`],
