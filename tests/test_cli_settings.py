@@ -224,7 +224,8 @@ def test_json_log_lines() -> None:
     line = json.loads(logs.JsonLines().format(record))
     assert line["level"] == "warning" and line["logger"] == "qgemm" and line["message"] == "model x: broken"
     config = logs.config("debug", "json")
-    assert config["formatters"]["qgemm"]["()"].endswith("JsonLines") and config["loggers"]["uvicorn"]["level"] == "DEBUG"
+    assert config["formatters"]["qgemm"]["()"].endswith("JsonLines")
+    assert config["loggers"]["uvicorn"]["level"] == "DEBUG"
 
 
 def test_the_api_docs_page_serves_its_own_assets(client) -> None:
