@@ -28,7 +28,6 @@ from kernels.formats import FORMATS, MATMUL_TYPES
 
 MiB = 1 << 20
 INLINE_HEADER_BYTES = 256 << 10  # a header within this prefix is read at once (milliseconds); larger: in a child
-FIRST_HEADER_READ = 4 * MiB  # most headers fit; a tokenizer of 150k tokens takes ~5 MiB
 DEFAULT_MAX_HEADER_BYTES = 64 * MiB  # a header is parsed into Python objects (~20x its bytes): this bounds them
 ARRAY_HEAD = 8  # items shown of a long array
 ARRAY_FULL = 16  # arrays up to this length are shown whole
@@ -162,21 +161,29 @@ def field_summary(field: Any) -> Any:
 
 class _HeaderReader(GGUFReader):
     """gguf's reader over a copy of the header alone.  Tensor data views are shape-only placeholders
-    (zero strides, no memory): the store reads tensor bytes itself, so nothing maps the file."""
+    (zero strides, no memory): the store reads tensor bytes itself, so nothing maps the file.  Only the tensor
+    table's reads are swapped (an instance attribute for its span): the metadata's hundreds of thousands of
+    reads go straight to gguf's own method.  The mapped header is read as a plain ndarray: numpy's memmap
+    subclass costs a Python-level finalizer on every slice, most of the parse's time for a tokenizer."""
 
-    _placeholders = False
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)  # the same mapped bytes (kept alive through .base)
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        self._placeholders = True
+        self._get = self._placeholder  # type: ignore[method-assign]
         try:
             super()._build_tensors(start_offs, fields)
         finally:
-            self._placeholders = False
+            del self._get
 
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        if self._placeholders:
-            return np.broadcast_to(np.zeros((), dtype), (int(count),))
-        return super()._get(offset, dtype, count, override_order)
+    @staticmethod
+    def _placeholder(offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        return np.broadcast_to(np.zeros((), dtype), (int(count),))
 
 
 def _header_copy(data: bytes) -> Any:
@@ -193,11 +200,11 @@ def _header_copy(data: bytes) -> Any:
 
 
 def _read_header(fh: Any, size: int, max_header: int, inline_only: bool) -> GGUFReader:
-    """Parse the header from a growing prefix of the file: a parse that needed bytes past the prefix
-    fails or ends at its edge, and is repeated on a longer one, up to `max_header` bytes.  `inline_only`:
-    try the first INLINE_HEADER_BYTES alone, and raise HeaderTooLarge if the header needs more."""
-    prefix = min(size, INLINE_HEADER_BYTES if inline_only else FIRST_HEADER_READ, max_header)
-    while True:
+    """Parse the header from a prefix of the file: as much as `max_header` allows, parsed once (a tokenizer's
+    header takes seconds whatever the prefix: a parse that failed at a shorter prefix would be work lost).
+    `inline_only`: the first INLINE_HEADER_BYTES alone (most headers: milliseconds), and HeaderTooLarge where the
+    parse needs bytes past them (it fails or ends at their edge): the caller reads it elsewhere."""
+    for prefix in (min(size, INLINE_HEADER_BYTES, max_header) if inline_only else min(size, max_header),):
         data = os.pread(fh.fileno(), prefix, 0)
         if len(data) < prefix:
             raise FileChanged("the file shrank while its header was read")
@@ -218,7 +225,7 @@ def _read_header(fh: Any, size: int, max_header: int, inline_only: bool) -> GGUF
             raise ValueError(f"corrupt or truncated GGUF ({type(error).__name__}: {error})") from error
         if inline_only:
             raise HeaderTooLarge(f"the header needs more than {prefix} bytes")
-        prefix = min(size, max_header, prefix * 4)
+    raise AssertionError("unreachable: the last prefix returns or raises")
 
 
 def read_index(path: Path, file: FileId, max_header: int = DEFAULT_MAX_HEADER_BYTES,
