@@ -155,9 +155,10 @@ class Engine:
 
     # -- running ----------------------------------------------------------------------------------
     async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
-                     scheme: Scheme | None = None) -> Answer:
+                     scheme: Scheme | None = None, out: np.ndarray | None = None) -> Answer:
         """A request's product, through the scheduler of the device that holds its tensor (which may batch it
-        with others of this tensor in the same weight format); on every device of a split tensor at once."""
+        with others of this tensor in the same weight format); on every device of a split tensor at once.  `out`
+        [M, N] float32: where Y goes (a front's shared memory), else an array of the engine's own."""
         eff = effective(info, scheme)
         # large X on a GPU: its values are checked from the max|x| per row the device measures as it quantizes
         on_device = x.size > INLINE_VALUES and self.cuda is not None
@@ -175,7 +176,8 @@ class Engine:
             found = self.placement_of(backend, model, info, scheme, eff)
             replica = self.placements[backend].pick(found, lambda d: pool[d].load())
         # a large output is written by the GPU into pinned memory of its own: no copy, no join of a split's blocks
-        out = self.outputs.array((x32.shape[0], eff.shape[0])) if backend == "cuda" and self.outputs else None
+        if out is None and backend == "cuda" and self.outputs:
+            out = self.outputs.array((x32.shape[0], eff.shape[0]))
         if len(replica) == 1 and replica[0].rows == info.shape[0]:
             job = Job(model, info, scheme, eff, None)
             answer = await pool[replica[0].device].scheduler.submit(

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kernels.errors import DeviceOutOfMemory, InvalidRequest, QgemmError
+from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded, QgemmError
 from models.store import FileChanged
 
 log = logging.getLogger("qgemm")
@@ -39,8 +39,9 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 
 
 # the domain's errors (kernels/errors.py) as HTTP: the one place that maps them
-DOMAIN_STATUS: dict[type[QgemmError], int] = {InvalidRequest: 422, DeviceOutOfMemory: 503}
-RETRY_AFTER = {503: "1"}  # seconds: a GPU out of memory may have room once products in flight end
+DOMAIN_STATUS: dict[type[QgemmError], int] = {InvalidRequest: 422, Conflict: 409, DeviceOutOfMemory: 503,
+                                              Overloaded: 503}
+RETRY_AFTER = {503: "1"}  # seconds: a GPU out of memory (or a full queue) may have room once products in flight end
 
 def status_of(exc: QgemmError) -> int:
     """The HTTP status of a domain error."""

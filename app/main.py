@@ -18,6 +18,7 @@ from app.engine import Engine
 from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
+from app.service import LocalService
 from app.settings import Settings
 from kernels.cache import ByteLRU
 from models import gguf_index
@@ -68,7 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         announce(settings, engine)
         store = ModelStore(settings.models_dir, settings.max_header_bytes, on_retire=engine.forget,
                            cache_dir=settings.index_dir, background=True)
-        app.state.store, app.state.engine = store, engine
+        app.state.store, app.state.engine, app.state.service = store, engine, LocalService(engine)
         for worker in engine.workers:
             worker.scheduler.observe = metrics.observe_batch
         metrics.track(engine.workers, engine.pools["cuda"], engine.outputs)

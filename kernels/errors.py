@@ -23,6 +23,16 @@ class InvalidRequest(QgemmError):
     """The request cannot be computed as asked: its shape, values, kernel, tensor or weight format (422)."""
 
 
+class Conflict(QgemmError):
+    """The request is well formed but the server's state refuses it (409): nothing to load on a CPU backend."""
+
+
+class Overloaded(QgemmError):
+    """More work waits for the device than it can start soon: the request is refused rather than queued (503)."""
+
+    code = "overloaded"
+
+
 class DeviceOutOfMemory(QgemmError):
     """The GPU could not hold what a request needs, even after evicting cached weights (503)."""
 

@@ -196,7 +196,7 @@ async def matmul(request: Request) -> Response:
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str,
                  requant: tuple[str, int, bool] | None = None) -> Response:
     t_request = time.perf_counter()
-    chooser = request.app.state.engine.chooser
+    chooser = request.app.state.service.chooser
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
         kernel_obj = chooser.named(kernel)
     ctype = _media(request.headers.get("content-type"))
@@ -230,7 +230,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
                 x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
                     else await run_in_threadpool(rows_to_array, req.activations)
         try:
-            answer = await state.engine.matmul(mdl, info, x, kernel_obj, scheme)
+            answer = await state.service.matmul(mdl, info, x, kernel_obj, scheme)
             break
         except FileChanged:
             if attempt:

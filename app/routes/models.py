@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from app.errors import ApiError
 from app.openapi import errors
-from app.quant_report import METHOD, error_rows, time_schemes
+from app.quant_report import METHOD, error_rows
 from app.schemas import (
     LoadRequest,
     LoadResponse,
@@ -83,8 +83,8 @@ def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.get("/models/{model_id}", response_model=ModelDetail, operation_id="get_model", responses=errors(404))
-def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
-    model = _model(request, model_id)
+async def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
+    model = await _model_now(request, model_id)
     ok = model.status == "ok"
     return {**summary(model),
             "header": inspect.header(model) if ok else None,
@@ -93,7 +93,7 @@ def get_model(request: Request, model_id: ModelId) -> dict[str, Any]:
             "parameter_count": sum(t.n_elements for t in model.tensors.values()),
             "tensor_bytes": sum(t.n_bytes for t in model.tensors.values()),
             "quant_mix": inspect.quant_mix(model) if ok else None,
-            "resident": request.app.state.engine.residency(model)}
+            "resident": await request.app.state.service.residency(model)}
 
 
 @router.get("/models/{model_id}/tensors", response_model=TensorList, operation_id="list_tensors",
@@ -174,7 +174,7 @@ async def tensor_quantization(
     info = model.tensors.get(name)
     if info is None:
         raise ApiError(404, "tensor_not_found", f"tensor {name!r} not found in model {model_id!r}")
-    settings, engine = request.app.state.settings, request.app.state.engine
+    settings, service = request.app.state.settings, request.app.state.service
     if info.n_elements > settings.quant_compare_max_values:
         raise ApiError(422, "tensor_too_large", f"{name} has {info.n_elements} values; comparisons take tensors of "
                                                 f"at most {settings.quant_compare_max_values} "
@@ -189,11 +189,10 @@ async def tensor_quantization(
         cached = await run_in_threadpool(error_rows, model, info, blocksize, double_quant)
         cache.put(key, cached, 1)
     rows = [dict(r) for r in cached[0]]
-    if engine.cuda is not None and not info.matmul_reason:  # a vector's errors are reported, not timed
-        await run_in_threadpool(time_schemes, engine, model, info, rows, cached[1], sorted(set(m)))
+    device, timed = await service.quant_times(model, info, rows, cached[1], sorted(set(m)))
     return {"model": model.id, "tensor": name, "type": info.type_name, "shape": list(info.shape),
             "reference": f"the tensor's own values: gguf's dequantization of its {info.type_name} bytes",
-            "device": engine.device, "method": METHOD if engine.cuda is not None else None, "schemes": rows}
+            "device": device, "method": METHOD if timed else None, "schemes": rows}
 
 
 @router.post("/models/{model_id}/load", response_model=LoadResponse, operation_id="load_model",
@@ -205,13 +204,6 @@ async def load_model(request: Request, model_id: ModelId,
     `devices` and `placement` say (a copy on each device, or one copy split by rows across them), else each
     on the device with the most free budget (split across all when none holds it)."""
     model = _readable(await _model_now(request, model_id))
-    engine = request.app.state.engine
-    backend = engine.backend
-    if engine.cuda is None and len(engine.pools["cpu"]) == 1:
-        raise ApiError(409, "no_gpu", f"this server runs on the CPU backend ({engine.cuda_error}); nothing to load")
-    devices = [engine.worker_named(backend, d) for d in body.devices] if body and body.devices else None
-    if devices is not None and len(set(devices)) != len(devices):
-        raise ApiError(422, "bad_device", "devices names a device twice")
     names = body.tensors if body and body.tensors else [t.name for t in model.tensors.values() if t.matmul]
     infos = []
     for n in names:
@@ -220,9 +212,9 @@ async def load_model(request: Request, model_id: ModelId,
             raise ApiError(404, "tensor_not_found", f"tensor {n!r} not found in model {model_id!r}")
         infos.append(info)  # one that cannot be multiplied: a 422 from the engine, before anything loads
     scheme = scheme_of(body.weight_format, body.blocksize, body.double_quant) if body else None
-    loaded = await run_in_threadpool(engine.preload, model, infos, body.kernel if body else None, scheme, devices,
-                                     body.placement if body else None, backend)
-    return {"model": model.id, "loaded": loaded, "resident": engine.residency(model)}
+    done = await request.app.state.service.load(model, infos, body.kernel if body else None, scheme,
+                                                body.devices if body else None, body.placement if body else None)
+    return {"model": model.id, **done}
 
 
 @router.post("/models/{model_id}/unload", response_model=UnloadResponse, operation_id="unload_model",
@@ -232,7 +224,5 @@ async def unload_model(request: Request, model_id: ModelId,
                                                                            "when absent or null")) -> dict[str, Any]:
     """Free a model's weights (or the named tensors') from every device, and forget where they were placed."""
     model = await _model_now(request, model_id)
-    engine = request.app.state.engine
     names = set(body.tensors) if body and body.tensors else None
-    freed = await run_in_threadpool(engine.unload, model, names)
-    return {"model": model.id, "freed_bytes": freed, "resident": engine.residency(model)}
+    return {"model": model.id, **await request.app.state.service.unload(model, names)}

@@ -15,16 +15,13 @@ router = APIRouter(tags=["system"])
 
 
 @health_router.get("/healthz", response_model=Health, operation_id="healthz")
-def healthz(request: Request) -> dict[str, Any]:
-    engine = request.app.state.engine
-    return {"status": "ok", "backend": engine.backend, "device": engine.device, "version": __version__,
-            "compile_ms": engine.cuda.compile_ms if engine.cuda is not None else None,
-            "devices": [w.state() for w in engine.workers]}
+async def healthz(request: Request) -> dict[str, Any]:
+    return {"status": "ok", "version": __version__, **await request.app.state.service.health()}
 
 
 @router.get("/kernels", response_model=KernelList, operation_id="list_kernels")
-def kernels(request: Request) -> dict[str, Any]:
-    return {"kernels": request.app.state.engine.kernel_table()}
+async def kernels(request: Request) -> dict[str, Any]:
+    return {"kernels": await request.app.state.service.kernel_table()}
 
 
 METRICS_DOC = ("Prometheus text exposition: qgemm_http_requests_total, qgemm_http_request_seconds, "

@@ -1,0 +1,95 @@
+"""What the routes ask of the engine, in one interface: `LocalService` runs the engine in this process (tests, Ray
+Serve replicas, `--fronts 0`); `RemoteService` (app/remote.py) asks an engine process over the channel, the same
+questions with the same answers.  Every serving feature lives behind this edge, not in the routes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from fastapi.concurrency import run_in_threadpool
+
+from app.engine import Engine
+from app.scheduler import Answer
+from kernels.errors import Conflict, InvalidRequest
+from kernels.kernel import Kernel
+from kernels.requant import Scheme
+from kernels.select import KernelChooser
+from models.store import Model, TensorInfo
+
+
+class Service(Protocol):
+    chooser: KernelChooser  # kernel names are checked in the front, against the registry
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def kernel_table(self) -> list[dict[str, Any]]: ...
+
+    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
+                     scheme: Scheme | None) -> Answer: ...
+
+    async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
+                   devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]: ...
+
+    async def unload(self, model: Model, tensors: set[str] | None) -> dict[str, Any]: ...
+
+    async def residency(self, model: Model) -> dict[str, Any]: ...
+
+    async def quant_times(self, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],
+                          ms: list[int]) -> tuple[str | None, bool]: ...
+
+    async def metrics_text(self) -> str: ...
+
+
+class LocalService:
+    """The engine of this process, behind the routes' interface."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.chooser = engine.chooser
+
+    async def health(self) -> dict[str, Any]:
+        e = self.engine
+        return {"backend": e.backend, "device": e.device,
+                "compile_ms": e.cuda.compile_ms if e.cuda is not None else None,
+                "devices": [w.state() for w in e.workers]}
+
+    async def kernel_table(self) -> list[dict[str, Any]]:
+        return self.engine.kernel_table()
+
+    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
+                     scheme: Scheme | None, out: np.ndarray | None = None) -> Answer:
+        return await self.engine.matmul(model, info, x, kernel, scheme, out=out)
+
+    async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
+                   devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]:
+        e = self.engine
+        backend = e.backend
+        if e.cuda is None and len(e.pools["cpu"]) == 1:
+            raise Conflict(f"this server runs on the CPU backend ({e.cuda_error}); nothing to load", "no_gpu")
+        pool = [e.worker_named(backend, d) for d in devices] if devices else None
+        if pool is not None and len(set(pool)) != len(pool):
+            raise InvalidRequest("devices names a device twice", "bad_device")
+        loaded = await run_in_threadpool(e.preload, model, infos, kernel, scheme, pool, placement, backend)
+        return {"loaded": loaded, "resident": e.residency(model)}
+
+    async def unload(self, model: Model, tensors: set[str] | None) -> dict[str, Any]:
+        freed = await run_in_threadpool(self.engine.unload, model, tensors)
+        return {"freed_bytes": freed, "resident": self.engine.residency(model)}
+
+    async def residency(self, model: Model) -> dict[str, Any]:
+        return self.engine.residency(model)
+
+    async def quant_times(self, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],
+                          ms: list[int]) -> tuple[str | None, bool]:
+        """Time each scheme's product on the GPU into `rows` (where there is one); (the device, whether timed)."""
+        from app.quant_report import time_schemes
+
+        e = self.engine
+        if e.cuda is None or info.matmul_reason:  # a vector's errors are reported, not timed
+            return e.device, False
+        await run_in_threadpool(time_schemes, e, model, info, rows, schemes, ms)
+        return e.device, True
+
+    async def metrics_text(self) -> str:
+        return ""  # the engine's metrics are in this process's registry already

@@ -1,0 +1,160 @@
+"""Shared memory between a front process and the engines: the request's activations and the product's output
+travel here, never through the channel (app/ipc.py).
+
+Each front owns one arena (a POSIX shared-memory segment, `multiprocessing.shared_memory`) cut into slots per
+request: X [M, K] and Y [M, N] float32, side by side.  A request too large for what the arena has free gets a
+segment of its own for its lifetime.  An engine attaches to a front's arena once (on a GPU it registers it as
+page-locked memory, so that copies to and from the device are DMA) and reads X and writes Y in place.
+
+Segments are named `qgemm-<instance>-<pid>-<n>`: the supervisor removes a dead front's by its pid, and a start
+removes those of processes that no longer exist (a `kill -9` of everything leaves nothing behind for good).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = "qgemm"
+ALIGN = 256  # slot boundaries: whole cache lines, and CUDA's copy alignment
+SHM_DIR = Path("/dev/shm")
+
+
+def segment_name(instance: str, pid: int, n: int) -> str:
+    return f"{PREFIX}-{instance}-{pid}-{n}"
+
+
+def _untracked(shm: SharedMemory) -> SharedMemory:
+    """Python's resource tracker would unlink a segment when the process that merely attached it exits (and warn
+    of "leaks" at every exit): the lifetime of qgemm's segments is the supervisor's business."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # no tracker running: nothing to undo
+        pass
+    return shm
+
+
+def create(name: str, nbytes: int) -> SharedMemory:
+    return _untracked(SharedMemory(name=name, create=True, size=max(nbytes, ALIGN)))
+
+
+def attach(name: str) -> SharedMemory:
+    return _untracked(SharedMemory(name=name))
+
+
+def remove(name: str) -> None:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean(instance: str, pid: int | None = None) -> list[str]:
+    """Remove this instance's segments of process `pid`, or (None) of every process that no longer runs."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}-{instance}-*"):
+        try:
+            owner = int(path.name.split("-")[-2])
+        except (ValueError, IndexError):
+            continue
+        if (pid is not None and owner == pid) or (pid is None and not _alive(owner)):
+            remove(path.name)
+            removed.append(path.name)
+    return removed
+
+
+@dataclass
+class Slot:
+    """Where one request's X and Y live: a segment, and their offsets in it."""
+
+    segment: str
+    offset: int
+    nbytes: int
+    m: int
+    k: int
+    n: int
+    buf: memoryview
+    own: SharedMemory | None = None  # a segment of its own (unlinked when the slot is released)
+
+    @property
+    def y_offset(self) -> int:
+        return self.offset + _aligned(self.m * self.k * 4)
+
+    def x(self) -> np.ndarray:
+        return np.ndarray((self.m, self.k), np.float32, self.buf, self.offset)
+
+    def y(self) -> np.ndarray:
+        return np.ndarray((self.m, self.n), np.float32, self.buf, self.y_offset)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def slot_bytes(m: int, k: int, n: int) -> int:
+    return _aligned(m * k * 4) + _aligned(m * n * 4)
+
+
+class Arena:
+    """A front's segment and its free space (first fit, neighbours merged on release).  Used from the front's
+    event loop only."""
+
+    def __init__(self, instance: str, nbytes: int):
+        self.instance, self.size = instance, _aligned(nbytes)
+        self._names = itertools.count()
+        self.shm = create(self._next_name(), self.size)
+        self.name = self.shm.name.lstrip("/")
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), sorted by offset
+
+    def _next_name(self) -> str:
+        return segment_name(self.instance, os.getpid(), next(self._names))
+
+    def slot(self, m: int, k: int, n: int) -> Slot:
+        need = slot_bytes(m, k, n)
+        for i, (off, size) in enumerate(self._free):
+            if size >= need:
+                if size == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, size - need)
+                return Slot(self.name, off, need, m, k, n, self.shm.buf)
+        own = create(self._next_name(), need)  # too large for what is free: a segment of its own
+        return Slot(own.name.lstrip("/"), 0, need, m, k, n, own.buf, own)
+
+    def release(self, slot: Slot) -> None:
+        if slot.own is not None:
+            slot.own.close()
+            remove(slot.segment)
+            return
+        i = bisect.bisect(self._free, (slot.offset, 0))
+        self._free.insert(i, (slot.offset, slot.nbytes))
+        # merge with the next, then the previous block
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def close(self) -> None:
+        self.shm.close()
+        remove(self.name)
