@@ -58,19 +58,19 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         path, wrote = ensure_demo(settings.models_dir)
         if wrote:
             print(f"wrote the demo model: {path}", file=sys.stderr)
-    if args.ray or settings.workers > 1:  # the flags reach every process that builds its app from the environment
-        os.environ.update(settings.as_env())
     if args.ray:
+        os.environ.update(settings.as_env())  # the replicas build their settings from the environment
         return serve_on_ray(settings, args.replicas)
-    # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
-    options: dict[str, Any] = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   loop="uvloop", http="httptools", access_log=settings.access_log,
-                                   log_config=logs.config(settings.log_level, settings.log_format))
-    if settings.workers > 1:  # each worker process builds its app from the environment (QGEMM_*)
-        uvicorn.run("app.main:create_app", factory=True, workers=settings.workers, **options)
-    else:
-        uvicorn.run(create_app(settings), **options)
-    return 0
+    if settings.fronts == 0:  # one process: HTTP and the engine together
+        # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                    loop="uvloop", http="httptools", access_log=settings.access_log,
+                    log_config=logs.config(settings.log_level, settings.log_format))
+        return 0
+    from app import supervisor
+
+    logs.setup(settings.log_level, settings.log_format)
+    return supervisor.serve(settings)
 
 
 def cuda_unavailable(settings: Settings) -> str | None:

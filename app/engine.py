@@ -27,7 +27,7 @@ from app.validation import check_output, check_shape, check_values
 from app.workers import Worker
 from kernels.backend import InFlight
 from kernels.devices import open_devices
-from kernels.errors import InvalidRequest
+from kernels.errors import InvalidRequest, Overloaded
 from kernels.kernel import Kernel
 from kernels.reference import q8_1_in_range
 from kernels.requant import Scheme
@@ -175,6 +175,10 @@ class Engine:
         else:
             found = self.placement_of(backend, model, info, scheme, eff)
             replica = self.placements[backend].pick(found, lambda d: pool[d].load())
+        busy = [pool[part.device] for part in replica if pool[part.device].scheduler.depth() >= self.settings.max_queue]
+        if busy:  # a bounded queue: past it, latency would grow without bound; the client retries instead
+            raise Overloaded(f"{busy[0].label} has {busy[0].scheduler.depth()} requests waiting (QGEMM_MAX_QUEUE="
+                             f"{self.settings.max_queue}): retry after the Retry-After seconds")
         # a large output is written by the GPU into pinned memory of its own: no copy, no join of a split's blocks
         if out is None and backend == "cuda" and self.outputs:
             out = self.outputs.array((x32.shape[0], eff.shape[0]))

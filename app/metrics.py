@@ -3,12 +3,13 @@ depth and GPU residency, served at GET /metrics in the text exposition format.""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,13 +19,21 @@ POWERS_OF_TWO = tuple(float(1 << i) for i in range(14))
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The HTTP side's metrics and (`engine`) the engine's.  In a front process of `qgemm serve`
+    (PROMETHEUS_MULTIPROC_DIR set) the HTTP counters are prometheus-client's multiprocess values, summed over every
+    front at each scrape, and the engine's come from the engine process (`render`'s `extra`)."""
+
+    def __init__(self, engine: bool = True) -> None:
         self.registry = CollectorRegistry()  # one per app, so that test apps do not share counts
         r = self.registry
         self.requests = Counter("qgemm_http_requests", "HTTP requests by route template, method and status",
                                 ["route", "method", "status"], registry=r)
         self.latency = Histogram("qgemm_http_request_seconds", "Time from the request's start to its last byte",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        if engine:
+            self._engine_metrics(r)
+
+    def _engine_metrics(self, r: CollectorRegistry) -> None:
         self.batch_requests = Histogram("qgemm_batch_requests", "Requests (or chunks) per product run on the device",
                                         buckets=POWERS_OF_TWO, registry=r)
         self.batch_rows = Histogram("qgemm_batch_rows", "Rows (M) per product run on the device",
@@ -35,6 +44,17 @@ class Metrics:
         self.pinned_output_bytes = Gauge("qgemm_pinned_output_bytes", "Page-locked host memory held for large "
                                          "outputs (in answers and free for reuse; at most QGEMM_PINNED_OUTPUT_BYTES)",
                                          registry=r)
+
+    def render(self, extra: str = "") -> bytes:
+        """The exposition text: this process's registry, or every front's (multiprocess), then `extra`."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        return generate_latest(registry) + extra.encode()
 
     def observe_batch(self, requests: int, rows: int) -> None:
         self.batch_requests.observe(requests)

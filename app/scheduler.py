@@ -66,6 +66,7 @@ class Answer:
     queue_ms: float
     devices: list[str] = field(default_factory=list)  # where it ran (several: a tensor split by rows)
     x_amax: float | None = None  # max|x| of the request's activations, where the device measured every row of it
+    release: Callable[[], None] | None = None  # once the answer is sent: frees the memory `output` lives in
 
 
 RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None]],

@@ -46,13 +46,23 @@ class DeviceState(BaseModel):
     products: int = Field(description="products (batches) it ran since the start")
 
 
+class ProcessState(BaseModel):
+    role: Literal["front", "engine"]
+    index: int
+    pid: int | None
+    state: Literal["ok", "starting", "restarting", "stopping"]
+
+
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"] = Field(description="degraded: an engine process is down (its requests "
+                                                          "answer 503 with Retry-After until it is back)")
     backend: Literal["cpu", "cuda"]
     device: str | None
     version: str
     compile_ms: float | None = None  # CUDA kernels compiled at start-up, not inside any request
     devices: list[DeviceState] = Field(default_factory=list, description="each device worker: GPUs first")
+    processes: list[ProcessState] | None = Field(None, description="`qgemm serve`'s HTTP front and engine processes "
+                                                                   "(absent where one process serves)")
 
 
 class ModelSummary(BaseModel):

@@ -52,9 +52,15 @@ class Settings(BaseSettings):
                                                        "into chunks of this many")
     batch_wait_us: int = Field(100, ge=0, description="after a product, when others queue, how long to take in "
                                                       "more requests before the next; 0 turns batching off")
+    max_queue: int = Field(1024, gt=0, description="requests waiting for one device beyond which a new one is "
+                                                   "refused (503 with Retry-After) rather than queued")
     gil_switch_us: int | None = Field(None, gt=0, description="Python's thread switch interval (default 5000)")
-    workers: int = Field(1, ge=1, le=64, description="server processes on the one port, each with its own engine, "
-                                                     "weights, batching and /metrics")
+    fronts: int | None = Field(None, ge=0, le=64, description="HTTP front processes beside the engine process "
+                                                              "(default: half the cores, 1 to 8); 0: one process "
+                                                              "serves HTTP and runs the engine")
+    front_arena_bytes: int = Field(64 * MiB, ge=1 << 20, description="each front's shared memory for requests' "
+                                                                      "activations and products (larger ones get "
+                                                                      "their own)")
     quant_compare_max_values: int = Field(1 << 25, gt=0, description="largest tensor the quantization report "
                                                                      "requantizes (host memory)")
     devices: str | None = Field(None, description="the GPUs to serve on: all, or CUDA ordinals like 0,1 (a worker "
@@ -82,7 +88,7 @@ class Settings(BaseSettings):
         return cls(**overrides)
 
     def as_env(self) -> dict[str, str]:
-        """These settings as QGEMM_* variables, for processes that build their own (uvicorn's workers)."""
+        """These settings as QGEMM_* variables, for the processes that build their own (fronts, engine, Ray)."""
         out = {}
         for name in type(self).model_fields:
             value = getattr(self, name)

@@ -140,7 +140,10 @@ class Arena:
 
     def release(self, slot: Slot) -> None:
         if slot.own is not None:
-            slot.own.close()
+            try:
+                slot.own.close()
+            except BufferError:  # a view of it is still alive: the mapping goes with it
+                pass
             remove(slot.segment)
             return
         i = bisect.bisect(self._free, (slot.offset, 0))
@@ -156,5 +159,8 @@ class Arena:
         return sum(size for _, size in self._free)
 
     def close(self) -> None:
-        self.shm.close()
+        try:
+            self.shm.close()
+        except BufferError:  # an answer still holds a view: the mapping goes with the process
+            pass
         remove(self.name)

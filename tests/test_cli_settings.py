@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -38,25 +37,27 @@ def test_dependent_launch_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings.from_env()
 
 
-def test_serve_with_workers_runs_the_app_factory_per_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """QGEMM_WORKERS > 1: uvicorn starts that many processes from the import string (each builds its app
-    from the environment); 1: the app built here, in this process.  0 is refused."""
+def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Default: the supervisor (HTTP fronts beside an engine process, app/supervisor.py) with as many fronts as suit
+    the machine; QGEMM_FRONTS=0: uvicorn runs the app, engine and all, in this process.  A negative count is
+    refused."""
     import argparse
 
     import uvicorn
 
-    calls: list[tuple[object, dict]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
-    monkeypatch.setattr(os, "environ", os.environ.copy())  # the workers' settings go through it: this test's own
+    from app import supervisor
+
+    ran: list[tuple[str, object]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(("uvicorn", kw)))
+    monkeypatch.setattr(supervisor, "serve", lambda settings: ran.append(("supervisor", settings)) or 0)
     args = argparse.Namespace(ray=False, replicas=None)
-    for workers in (3, 1):
-        monkeypatch.setenv("QGEMM_WORKERS", str(workers))
-        assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123)) == 0
-        assert os.environ["QGEMM_PORT"] == "8123"  # what the worker processes build their settings from
-    (app3, kw3), (app1, kw1) = calls
-    assert app3 == "app.main:create_app" and kw3["factory"] and kw3["workers"] == 3 and kw3["port"] == 8123
-    assert not isinstance(app1, str) and "workers" not in kw1 and kw1["loop"] == "uvloop"
-    monkeypatch.setenv("QGEMM_WORKERS", "0")
+    assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123)) == 0
+    assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123, fronts=0)) == 0
+    (kind1, settings1), (kind0, kw0) = ran
+    assert kind1 == "supervisor" and settings1.port == 8123 and settings1.fronts is None
+    assert kind0 == "uvicorn" and kw0["port"] == 8123 and kw0["loop"] == "uvloop" and kw0["http"] == "httptools"
+    assert 1 <= supervisor.default_fronts() <= 8
+    monkeypatch.setenv("QGEMM_FRONTS", "-1")
     with pytest.raises(ValueError):
         Settings.from_env()
 
@@ -189,8 +190,11 @@ def test_serve_writes_the_demo_only_into_the_default_folder_or_when_asked(monkey
 
     from models import demo
 
+    from app import supervisor
+
     written: list[Path] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(supervisor, "serve", lambda settings: 0)
     monkeypatch.setattr(demo, "ensure_demo", lambda d: written.append(d) or (d / "demo.gguf", False))
     args = argparse.Namespace(ray=False, replicas=None)
     cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu"))

@@ -106,11 +106,17 @@ def _free_port() -> int:
 
 
 def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Resident memory of the server: the process and every process under it (fronts, engine)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # it ended meanwhile
+        return total
+    return total + sum(_rss_bytes(int(c)) for c in children)
 
 
 class History:
@@ -289,7 +295,7 @@ class Soak:
         self.port = _free_port()
         self.host, self.url = "127.0.0.1", f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "QGEMM_MODELS_DIR": str(self.models), "QGEMM_BACKEND": self.plan.backend,
-               "QGEMM_LOG_LEVEL": "warning", "QGEMM_WORKERS": "1", "PYTHONUNBUFFERED": "1"}
+               "QGEMM_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"}
         self.log_path = self.workdir / "server.log"
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", self.host, "--port",
                                  str(self.port)], env=env, stdout=subprocess.DEVNULL,

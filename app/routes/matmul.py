@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import orjson
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import error_entry
+from app.scheduler import Answer
 from app.schemas import (
     DEMO_K,
     DEMO_MODEL,
@@ -26,8 +28,8 @@ from app.schemas import (
 )
 from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
-from kernels.requant import WEIGHT_FORMATS
-from models.store import FileChanged, ModelStore, NotFound
+from kernels.requant import WEIGHT_FORMATS, Scheme
+from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
 
 NPY = "application/x-npy"
 JSON = "application/json"
@@ -235,6 +237,18 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
         except FileChanged:
             if attempt:
                 raise
+    sent_in_place = False
+    try:
+        response = _respond(request, answer, mdl, info, scheme, t_request)
+        sent_in_place = isinstance(response, NpyInPlace)  # it releases the output's memory once sent
+        return response
+    finally:
+        if answer.release is not None and not sent_in_place:
+            answer.release()
+
+
+def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, scheme: Scheme | None,
+             t_request: float) -> Response:
     result, y = answer.result, answer.output
     timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
     timing["queue"] = round(answer.queue_ms, 4)
@@ -261,8 +275,8 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
     headers["Server-Timing"] = (server_timing(timing)
                                 + f', batch;desc="{batch["requests"]} requests, {batch["rows"]} rows"')
-    if content is None:
-        return NpyInPlace(y, headers)
+    if content is None:  # sent from the output's own memory: released once sent
+        return NpyInPlace(y, headers, answer.release)
     return Response(content, media_type=media, headers=headers)
 
 
@@ -272,15 +286,21 @@ class NpyInPlace(Response):
 
     media_type = NPY
 
-    def __init__(self, y: np.ndarray, headers: dict[str, str]):
+    def __init__(self, y: np.ndarray, headers: dict[str, str], release: Callable[[], None] | None = None):
+        self.release = release
         self.header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
         self.data = memoryview(np.ascontiguousarray(y, np.float32)).cast("B")
         super().__init__(None, headers={**headers, "Content-Length": str(len(self.header) + self.data.nbytes)})
 
     async def __call__(self, scope: dict, receive: object, send: object) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": self.header, "more_body": True})
-        await send({"type": "http.response.body", "body": self.data})
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.header, "more_body": True})
+            await send({"type": "http.response.body", "body": self.data})
+        finally:
+            self.data.release()
+            if self.release is not None:
+                self.release()
 
 
 NPY_HEADERS: dict[tuple[int, ...], bytes] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import __version__
 from app.schemas import Health, KernelList
@@ -16,7 +16,7 @@ router = APIRouter(tags=["system"])
 
 @health_router.get("/healthz", response_model=Health, operation_id="healthz")
 async def healthz(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "version": __version__, **await request.app.state.service.health()}
+    return {"status": "ok", "version": __version__, **await request.app.state.service.health()}  # or degraded
 
 
 @router.get("/kernels", response_model=KernelList, operation_id="list_kernels")
@@ -33,6 +33,7 @@ METRICS_DOC = ("Prometheus text exposition: qgemm_http_requests_total, qgemm_htt
 
 @health_router.get("/metrics", operation_id="metrics", response_class=Response, responses={
     200: {"description": METRICS_DOC, "content": {"text/plain": {"schema": {"type": "string"}}}}})
-def metrics(request: Request) -> Response:
+async def metrics(request: Request) -> Response:
     """For Prometheus to scrape (no API key, like /healthz)."""
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    extra = await request.app.state.service.metrics_text()
+    return Response(request.app.state.metrics.render(extra), media_type=CONTENT_TYPE_LATEST)

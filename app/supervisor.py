@@ -1,0 +1,237 @@
+"""`qgemm serve`'s processes: HTTP fronts and an engine, started, watched and restarted here.
+
+The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) share
+the listening socket; each parses and checks requests, writes X into its shared-memory arena and asks the engine
+over a Unix socket.  The engine process owns the devices, the weights (one copy whatever the number of fronts) and
+the batching.  This process only supervises:
+
+- a front that dies is replaced within a poll (0.1 s) and its shared memory removed; only its in-flight requests
+  were lost;
+- an engine that dies fails the requests waiting on it at once (503, Retry-After: the fronts see its socket close)
+  and is started again; /healthz says `degraded` until it answers (weights are uploaded again on first use);
+- SIGTERM or SIGINT: the fronts stop taking connections and finish the requests they hold, then the engine stops;
+  the shared memory, sockets and metrics files go with them, and the exit status is 0.  A start first removes
+  what a `kill -9` of everything left behind.
+
+The processes' state is kept in `state.json` in the run directory, which the fronts read for /healthz.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app import shm
+from app.settings import Settings
+
+log = logging.getLogger("qgemm")
+POLL_S = 0.1
+STOP_GRACE_S = 30.0  # how long fronts may take to finish their requests on SIGTERM
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def default_fronts() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def run_dir_for(settings: Settings) -> Path:
+    return Path(tempfile.gettempdir()) / f"qgemm-{os.getuid()}-{settings.port}"
+
+
+@dataclass
+class Child:
+    role: str  # "front" or "engine"
+    index: int
+    process: Any = None
+    state: str = "starting"
+    started: float = 0.0
+    restarts: int = 0
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+def run_front(env: dict[str, str], sockets: list[socket.socket], index: int, run_dir: str, instance: str,
+              engine_socket: str) -> None:
+    """A front process's main (spawned): this front's settings from `env`, its app's service the engine."""
+    os.environ.update(env)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
+    import uvicorn
+
+    from app import logs
+    from app.main import create_app
+    from app.remote import RemoteService
+
+    settings = Settings.from_env()
+    service = RemoteService(engine_socket, Path(run_dir), instance, settings.front_arena_bytes, settings.max_rows)
+    app = create_app(settings, service=service)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", log_config=logs.config(settings.log_level,
+                            settings.log_format), access_log=settings.access_log, timeout_graceful_shutdown=25)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, fronts: int):
+        self.settings = settings
+        self.instance = str(settings.port)
+        self.run_dir = run_dir_for(settings)
+        self.engine_socket = str(self.run_dir / "engine-0.sock")
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("QGEMM_")} | settings.as_env()
+        self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.children = [Child("engine", 0)] + [Child("front", i) for i in range(fronts)]
+        self.sock: socket.socket | None = None
+        self.stopping = False
+
+    # -- leftovers and state -----------------------------------------------------------------------
+    def clean_leftovers(self) -> None:
+        removed = shm.clean(self.instance)  # segments of processes that are gone (a kill -9 of everything)
+        if removed:
+            log.info("removed %d shared-memory segment(s) a killed qgemm left behind", len(removed))
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+
+    def write_state(self) -> None:
+        state = {"pid": os.getpid(), "processes": [{"role": c.role, "index": c.index, "pid": c.pid,
+                                                     "state": c.state} for c in self.children]}
+        tmp = self.run_dir / ".state.json.part"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.run_dir / "state.json")
+
+    # -- processes ---------------------------------------------------------------------------------
+    def start(self, child: Child) -> None:
+        if child.role == "engine":
+            from app import engine_process
+
+            process = SPAWN.Process(target=engine_process.run, args=(self.env, self.engine_socket),
+                                    name="qgemm-engine", daemon=False)
+        else:
+            process = SPAWN.Process(target=run_front, name=f"qgemm-front-{child.index}", daemon=False,
+                                    args=(self.env, [self.sock], child.index, str(self.run_dir), self.instance,
+                                          self.engine_socket))
+        process.start()
+        child.process, child.started = process, time.monotonic()
+        child.state = "starting" if child.restarts == 0 else "restarting"
+        child.pids.append(process.pid)
+
+    def check(self) -> bool:
+        """Replace the children that died; mark those that are up; True if the state changed."""
+        changed = False
+        for child in self.children:
+            process = child.process
+            if process is not None and not process.is_alive():
+                log.warning("%s %d (pid %d) exited with %s; starting it again", child.role, child.index, process.pid,
+                            process.exitcode)
+                self.after_death(child)
+                child.restarts += 1
+                child.state = "restarting"
+                changed = True
+                if time.monotonic() - child.started < 1.0:  # dying at once: do not spin
+                    time.sleep(min(5.0, 0.2 * child.restarts))
+                self.start(child)
+            elif child.state != "ok" and self.is_up(child):
+                child.state = "ok"
+                changed = True
+                log.info("%s %d ready (pid %d)", child.role, child.index, child.pid)
+        return changed
+
+    def is_up(self, child: Child) -> bool:
+        if child.role == "engine":
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(0.2)
+                    s.connect(self.engine_socket)
+                return True
+            except OSError:
+                return False
+        return time.monotonic() - child.started > 0.5 and child.process.is_alive()
+
+    def after_death(self, child: Child) -> None:
+        if child.role == "front":
+            shm.clean(self.instance, child.pid)
+            try:
+                from prometheus_client import multiprocess
+
+                multiprocess.mark_process_dead(child.pid, str(self.run_dir / "metrics"))
+            except Exception:  # its gauges only: counters stay summed
+                pass
+
+    # -- the whole -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.clean_leftovers()
+        self.sock = socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((self.settings.host, self.settings.port))
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
+            return 2
+        self.sock.listen(2048)
+        self.sock.set_inheritable(True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        from app.announce import announce_urls, announce_version
+
+        announce_version()
+        log.info("%d HTTP front process(es) and an engine process (this one supervises them)",
+                 len(self.children) - 1)
+        for child in self.children:
+            self.start(child)
+        announce_urls(self.settings)
+        self.write_state()
+        while not self.stopping:
+            if self.check():
+                self.write_state()
+            time.sleep(POLL_S)
+        return self.shutdown()
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> int:
+        log.info("stopping: the fronts finish their requests, then the engine stops")
+        fronts = [c for c in self.children if c.role == "front"]
+        for child in self.children:
+            child.state = "stopping"
+        self.write_state()
+        for c in fronts:
+            if c.process.is_alive():
+                c.process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in fronts:
+            c.process.join(max(0.1, deadline - time.monotonic()))
+            if c.process.is_alive():
+                c.process.kill()
+                c.process.join()
+        for c in self.children:
+            if c.role == "engine" and c.process.is_alive():
+                c.process.terminate()
+                c.process.join(10)
+                if c.process.is_alive():
+                    c.process.kill()
+                    c.process.join()
+        if self.sock is not None:
+            self.sock.close()
+        for c in self.children:
+            for pid in c.pids:
+                shm.clean(self.instance, pid)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("stopped")
+        return 0
+
+
+def serve(settings: Settings) -> int:
+    fronts = settings.fronts if settings.fronts is not None else default_fronts()
+    return Supervisor(settings, fronts).run()

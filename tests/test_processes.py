@@ -1,0 +1,258 @@
+"""`qgemm serve` as fronts and an engine process (app/supervisor.py), on the CPU backend as CI runs it: the products
+are the one-process server's, bit for bit; batching sees every front's clients; /healthz and /metrics cover every
+process; and the faults: a killed front costs only its in-flight requests and is back within 2 s, a killed engine
+fails its waiting requests with 503 and Retry-After at once and serves again, a full queue refuses with 503
+rather than growing, SIGTERM drains and exits 0, and no shared memory survives a stop or a kill -9."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kernels.cpu import CpuBackend
+from kernels.registry import KERNELS
+from kernels.types import Weights
+from models.store import ModelStore
+from tests.conftest import CACHE_DIR
+
+TENSOR, K, N = "blk.0.attn_q.weight", 4096, 4096
+ROOT = Path(__file__).parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _npy(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
+class Server:
+    def __init__(self, models_dir: Path, fronts: int = 2, **env: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"qgemm-test-serve-{self.port}.log"
+        self.env = {**os.environ, "QGEMM_MODELS_DIR": str(models_dir), "QGEMM_BACKEND": "cpu",
+                    "QGEMM_CACHE_DIR": str(CACHE_DIR), "QGEMM_FRONTS": str(fronts), **env}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
+                                     env=self.env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
+        self.wait_ok(60)
+        return self
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/healthz", timeout=5).json()
+
+    def wait_ok(self, seconds: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                h = self.health()
+                if h["status"] == "ok" and all(p["state"] == "ok" for p in h["processes"]):
+                    return time.monotonic() - t0
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"not healthy within {seconds} s: {self.log.read_text()[-3000:]}")
+
+    def pids(self, role: str) -> list[int]:
+        return [p["pid"] for p in self.health()["processes"] if p["role"] == role]
+
+    def post(self, x: np.ndarray, client: httpx.Client | None = None, **params: str) -> httpx.Response:
+        q = {"model": "demo", "tensor": TENSOR, **params}
+        return (client or httpx).post(f"{self.url}/v1/matmul", params=q, content=_npy(x), timeout=30,
+                                      headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _segments(port: int) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob(f"qgemm-{port}-*")]
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path) -> Iterator[Server]:
+    s = Server(models_dir).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _load(server: Server, seconds: float, clients: int, during: callable = None) -> Counter:  # type: ignore[valid-type]
+    """Clients posting M = 1 products for `seconds`, `during()` called half-way; their outcomes counted."""
+    counts: Counter = Counter()
+    stop = time.monotonic() + seconds
+    x = np.random.default_rng(0).standard_normal((1, K)).astype(np.float32)
+
+    def client() -> None:
+        with httpx.Client() as c:
+            while time.monotonic() < stop:
+                try:
+                    r = server.post(x, c)
+                    counts[r.status_code] += 1
+                    if r.status_code == 503:
+                        counts[("retry-after", r.headers.get("retry-after"))] += 1
+                except httpx.HTTPError as exc:
+                    counts[type(exc).__name__] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    if during is not None:
+        time.sleep(seconds / 3)
+        during()
+    for t in threads:
+        t.join()
+    return counts
+
+
+def test_products_are_the_one_process_servers_bit_for_bit(server: Server, models_dir: Path,
+                                                         rng: np.random.Generator) -> None:
+    model = next(m for m in ModelStore(models_dir, cache_dir=CACHE_DIR / "gguf-index").scan() if m.id == "demo")
+    info = model.tensors[TENSOR]
+    cpu = CpuBackend(1 << 30)
+    w = Weights((model.version_key, TENSOR), info.type_name, *info.shape, lambda: model.raw(TENSOR))
+    for m, kernel in ((1, "auto"), (3, "ref_q8_1"), (17, "ref_mmq")):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        r = server.post(x, kernel=kernel)
+        assert r.status_code == 200, r.text
+        y = np.load(io.BytesIO(r.content))
+        spec = KERNELS[r.headers["x-qgemm-kernel"]]
+        assert np.array_equal(y, cpu.run(spec, w, x).output), (m, kernel)
+    body = {"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.25] * 64]}
+    r = httpx.post(f"{server.url}/v1/matmul", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["shape"] == [1, 33] and r.json()["backend"] == "cpu"
+    bad = httpx.post(f"{server.url}/v1/matmul", json={**body, "activations": [[0.25] * 63]}, timeout=30)
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "k_mismatch"
+    cpu.close()
+
+
+def test_health_and_metrics_cover_every_process(server: Server) -> None:
+    h = server.health()
+    roles = Counter(p["role"] for p in h["processes"])
+    assert h["status"] == "ok" and roles == {"engine": 1, "front": 2} and h["devices"][0]["device"] == "cpu:0"
+    assert all(isinstance(p["pid"], int) and p["state"] == "ok" for p in h["processes"])
+    counts = _load(server, 2.0, 6)
+    assert counts[200] > 0 and set(counts) == {200}, counts
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    served = sum(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith('qgemm_http_requests_total{method="POST",route="/v1/matmul",status="200"}'))
+    assert served >= counts[200]  # every front's requests, whichever front answered the scrape
+    batches = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("qgemm_batch_requests_")}
+    assert batches["qgemm_batch_requests_sum"] >= counts[200]  # the engine's own metrics, through the front
+    # one queue for every front's clients: six clients on two fronts share batches
+    assert batches["qgemm_batch_requests_sum"] / batches["qgemm_batch_requests_count"] > 1.0
+
+
+def test_a_killed_front_loses_only_its_requests_and_is_back_within_2_s(server: Server) -> None:
+    victim = server.pids("front")[0]
+    killed: list[float] = []
+
+    def kill() -> None:
+        os.kill(victim, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    counts = _load(server, 4.0, 6, kill)
+    failures = sum(v for k, v in counts.items() if k not in (200,) and not isinstance(k, tuple))
+    assert counts[200] > 0 and failures <= 6, counts  # at most the requests in flight on the killed front
+    assert server.wait_ok(10) < 2.0 or victim not in server.pids("front")
+    assert victim not in server.pids("front") and len(server.pids("front")) == 2
+    assert not [s for s in _segments(server.port) if f"-{victim}-" in s]  # its shared memory is gone
+
+
+def test_a_killed_engine_fails_waiting_requests_at_once_and_comes_back(server: Server) -> None:
+    engine = server.pids("engine")[0]
+    seen: dict[str, object] = {}
+
+    def kill() -> None:
+        os.kill(engine, signal.SIGKILL)
+        t0 = time.monotonic()
+        x = np.zeros((1, K), np.float32) + 0.5
+        r = server.post(x)
+        seen["status"], seen["retry"], seen["took"] = r.status_code, r.headers.get("retry-after"), \
+            time.monotonic() - t0
+        seen["health"] = server.health()["status"]
+
+    counts = _load(server, 4.0, 6, kill)
+    assert not [k for k in counts if isinstance(k, str)], counts  # no request hung up or reset
+    assert seen["took"] < 1.0 and (seen["status"], seen["retry"]) in ((503, "1"), (200, None)), seen
+    assert counts[503] == counts[("retry-after", "1")] and seen["health"] in ("degraded", "ok")
+    assert server.wait_ok(30) < 30
+    assert server.pids("engine")[0] != engine
+    r = server.post(np.ones((1, K), np.float32))
+    assert r.status_code == 200
+
+
+def test_a_full_queue_refuses_with_503_instead_of_growing(models_dir: Path) -> None:
+    s = Server(models_dir, fronts=1, QGEMM_MAX_QUEUE="2", QGEMM_BATCH_WAIT_US="0").start()
+    try:
+        counts = _load(s, 3.0, 12)
+        assert counts[200] > 0 and counts[503] > 0, counts  # some admitted, the rest refused at once
+        assert counts[503] == counts[("retry-after", "1")]
+        assert set(k for k in counts if not isinstance(k, tuple)) <= {200, 503}, counts
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_and_exits_0_and_leaves_no_shared_memory(models_dir: Path) -> None:
+    s = Server(models_dir, fronts=2)
+    stale = f"qgemm-{s.port}-999999-0"  # what a kill -9 of a whole earlier server would leave
+    (Path("/dev/shm") / stale).write_bytes(b"\0" * 4096)
+    s.start()
+    assert stale not in _segments(s.port)  # removed at the start
+    x = np.random.default_rng(1).standard_normal((256, K)).astype(np.float32)  # a CPU product of ~0.5 s
+    results: list[object] = []
+
+    def one() -> None:
+        try:
+            results.append(s.post(x).status_code)
+        except httpx.HTTPError as exc:
+            results.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the requests are in: the fronts hold them when the stop comes
+    assert s.stop() == 0
+    for t in threads:
+        t.join()
+    assert results and set(results) <= {200}, results  # the requests in flight were answered
+    assert _segments(s.port) == []
+    assert not Path(f"/tmp/qgemm-{os.getuid()}-{s.port}").exists()
+
+
+def test_state_file_names_each_process(server: Server) -> None:
+    state = json.loads((Path(f"/tmp/qgemm-{os.getuid()}-{server.port}") / "state.json").read_text())
+    assert {p["role"] for p in state["processes"]} == {"engine", "front"}
