@@ -273,14 +273,25 @@ def read_index(path: Path, file: FileId, max_header: int = DEFAULT_MAX_HEADER_BY
 
 
 # ---- the index of a large header: read in a child process, cached per file version ---------------------
-def _child_read(path: str, file: FileId, max_header: int) -> tuple[bytes | None, str | None]:
-    """In the child: the index as JSON, or the reason the file cannot be read (the same text as inline)."""
+def _child_read(path: str, file: FileId, max_header: int, cache_dir: Path | None) -> tuple[bytes | None, str | None]:
+    """In the child: the index as JSON, or the reason the file cannot be read (the same text as inline).  With a
+    cache, one process reads a file version while the others (a server's fronts and engine) wait for its index."""
+    cache = IndexCache(cache_dir)
+    lock = cache.lock(Path(path), file)
     try:
-        return read_index(Path(path), file, max_header).to_json(), None
+        done = cache.get(Path(path), file)
+        if done is not None:
+            return done.to_json(), None
+        data = read_index(Path(path), file, max_header).to_json()
+        cache.put(Path(path), file, data)
+        return data, None
     except FileChanged:
         raise
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 _POOL: ProcessPoolExecutor | None = None
@@ -288,7 +299,8 @@ _PENDING = 0
 _POOL_LOCK = threading.Lock()
 
 
-def read_in_child(path: Path, file: FileId, max_header: int) -> Future[tuple[bytes | None, str | None]]:
+def read_in_child(path: Path, file: FileId, max_header: int,
+                  cache_dir: Path | None = None) -> Future[tuple[bytes | None, str | None]]:
     """Read a large header in a child process (a fresh one each time: the parse's ~20x memory goes with it,
     and the parse holds no lock the server's threads need); the pool goes when nothing is left to read."""
     global _POOL, _PENDING
@@ -296,7 +308,7 @@ def read_in_child(path: Path, file: FileId, max_header: int) -> Future[tuple[byt
         if _POOL is None:
             _POOL = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
         _PENDING += 1
-        future = _POOL.submit(_child_read, str(path), file, max_header)
+        future = _POOL.submit(_child_read, str(path), file, max_header, cache_dir)
 
     def done(_: Future) -> None:
         global _POOL, _PENDING
@@ -332,6 +344,20 @@ class IndexCache:
               f"\0{file.ctime_ns}"
         return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
+    def lock(self, path: Path, file: FileId) -> Any:
+        """An exclusive lock on this file version's index (held until the returned file is closed), or None."""
+        if self.directory is None:
+            return None
+        import fcntl
+
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fh = open(self._path(path, file).with_suffix(".lock"), "w")
+        except OSError:
+            return None
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        return fh
+
     def get(self, path: Path, file: FileId) -> GgufIndex | None:
         if self.directory is None:
             return None
@@ -353,5 +379,6 @@ class IndexCache:
             entries = sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime)
             for old in entries[:-self.keep]:
                 old.unlink(missing_ok=True)
+                old.with_suffix(".lock").unlink(missing_ok=True)
         except OSError:  # a read-only or full cache: the next start reads the header again
             pass

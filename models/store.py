@@ -168,8 +168,7 @@ class ModelStore:
             except Exception as exc:  # FileChanged (the next look reads it again), or the child died
                 data, error = None, f"{type(exc).__name__}: {exc}"
             if data is not None:
-                new.index = GgufIndex.from_json(data)
-                self.cache.put(model.path, model.file, data)
+                new.index = GgufIndex.from_json(data)  # the child kept it in the cache
                 log.info("model %s: %d tensors, header read in %.1f s", model.id, len(new.tensors),
                          time.perf_counter() - t0)
             else:
@@ -180,7 +179,7 @@ class ModelStore:
                     self._models[model.id] = new
             model.loaded.set_result(new)  # type: ignore[union-attr]
 
-        read_in_child(model.path, model.file, self.max_header_bytes).add_done_callback(done)
+        read_in_child(model.path, model.file, self.max_header_bytes, self.cache.directory).add_done_callback(done)
         return model
 
     def scan(self) -> list[Model]:

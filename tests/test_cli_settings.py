@@ -188,9 +188,8 @@ def test_serve_writes_the_demo_only_into_the_default_folder_or_when_asked(monkey
 
     import uvicorn
 
-    from models import demo
-
     from app import supervisor
+    from models import demo
 
     written: list[Path] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
