@@ -3,8 +3,8 @@ travel here, never through the channel (app/ipc.py).
 
 Each front owns one arena (a POSIX shared-memory segment, `multiprocessing.shared_memory`) cut into slots per
 request: X [M, K] and Y [M, N] float32, side by side.  A request too large for what the arena has free gets a
-segment of its own for its lifetime.  An engine attaches to a front's arena once (on a GPU it registers it as
-page-locked memory, so that copies to and from the device are DMA) and reads X and writes Y in place.
+segment of its own for its lifetime.  An engine attaches to a front's arena once, and reads X and writes Y in
+place.
 
 Segments are named `qgemm-<instance>-<pid>-<n>`: the supervisor removes a dead front's by its pid, and a start
 removes those of processes that no longer exist (a `kill -9` of everything leaves nothing behind for good).

@@ -1,9 +1,9 @@
 """`qgemm serve`'s processes: HTTP fronts and an engine, started, watched and restarted here.
 
-The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) share
-the listening socket; each parses and checks requests, writes X into its shared-memory arena and asks the engine
-over a Unix socket.  The engine process owns the devices, the weights (one copy whatever the number of fronts) and
-the batching.  This process only supervises:
+The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) each
+listen on the port (SO_REUSEPORT: the kernel spreads connections over them); each parses and checks requests,
+writes X into its shared-memory arena and asks the engine over a Unix socket.  The engine process owns the devices,
+the weights (one copy whatever the number of fronts) and the batching.  This process only supervises:
 
 - a front that dies is replaced within a poll (0.1 s) and its shared memory removed; only its in-flight requests
   were lost;
@@ -63,8 +63,18 @@ class Child:
         return self.process.pid if self.process is not None else None
 
 
-def run_front(env: dict[str, str], sockets: list[socket.socket], index: int, run_dir: str, instance: str,
-              engine_socket: str) -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket of this front's own on the shared port (SO_REUSEPORT): the kernel spreads new connections
+    over the fronts, and a front that dies takes only its own connections with it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_socket: str) -> None:
     """A front process's main (spawned): this front's settings from `env`, its app's service the engine."""
     os.environ.update(env)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
@@ -79,7 +89,7 @@ def run_front(env: dict[str, str], sockets: list[socket.socket], index: int, run
     app = create_app(settings, service=service)
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_config=logs.config(settings.log_level,
                             settings.log_format), access_log=settings.access_log, timeout_graceful_shutdown=25)
-    uvicorn.Server(config).run(sockets=sockets)
+    uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])
 
 
 class Supervisor:
@@ -91,7 +101,6 @@ class Supervisor:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("QGEMM_")} | settings.as_env()
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.children = [Child("engine", 0)] + [Child("front", i) for i in range(fronts)]
-        self.sock: socket.socket | None = None
         self.stopping = False
 
     # -- leftovers and state -----------------------------------------------------------------------
@@ -119,8 +128,7 @@ class Supervisor:
                                     name="qgemm-engine", daemon=False)
         else:
             process = SPAWN.Process(target=run_front, name=f"qgemm-front-{child.index}", daemon=False,
-                                    args=(self.env, [self.sock], child.index, str(self.run_dir), self.instance,
-                                          self.engine_socket))
+                                    args=(self.env, child.index, str(self.run_dir), self.instance, self.engine_socket))
         process.start()
         child.process, child.started = process, time.monotonic()
         child.state = "starting" if child.restarts == 0 else "restarting"
@@ -171,15 +179,11 @@ class Supervisor:
     # -- the whole -----------------------------------------------------------------------------------
     def run(self) -> int:
         self.clean_leftovers()
-        self.sock = socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((self.settings.host, self.settings.port))
+        try:  # the port is ours to share (a process listening there without SO_REUSEPORT refuses this)
+            listen(self.settings.host, self.settings.port).close()
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
-        self.sock.listen(2048)
-        self.sock.set_inheritable(True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         from app.announce import announce_urls, announce_version
@@ -222,8 +226,6 @@ class Supervisor:
                 if c.process.is_alive():
                     c.process.kill()
                     c.process.join()
-        if self.sock is not None:
-            self.sock.close()
         for c in self.children:
             for pid in c.pids:
                 shm.clean(self.instance, pid)

@@ -15,9 +15,10 @@ python3 -m app.cli serve --port 8100 > "$OUT/serve.log" 2>&1 &
 server=$!
 t0=$SECONDS; for _ in $(seq 400); do curl -sf http://127.0.0.1:8100/healthz | grep -q '"status":"ok"' && break; sleep 0.1; done
 echo "healthy after $((SECONDS - t0)) s"; grep "qgemm:" "$OUT/serve.log" | head -n 12
+python3 scripts/one_client_timing.py http://127.0.0.1:8100 | tee "$OUT/one-client-timing.txt"
 run() { python3 -m app.cli loadtest --url http://127.0.0.1:8100 --seconds "$secs" "$@" 2>&1 \
   | grep -v '^ *[0-9.]*/' | grep -v '^\[' | grep -v '^ *{' ; }
-{ run --m 1 --clients 1,64,256 --format npy --out "$OUT/load-npy.json"
+{ run --m 1 --clients 1,64,256,1024 --format npy --out "$OUT/load-npy.json"
   run --m 1 --clients 1 --format json --out "$OUT/load-json.json"
   run --m 512 --clients 1 --format npy --out "$OUT/load-512.json"; } | tee "$OUT/loadtest.log"
 curl -s http://127.0.0.1:8100/metrics | grep -E "^qgemm_(batch_requests|batch_rows)_(sum|count)|^qgemm_gpu|^qgemm_device_resident" \
@@ -25,5 +26,3 @@ curl -s http://127.0.0.1:8100/metrics | grep -E "^qgemm_(batch_requests|batch_ro
 curl -s http://127.0.0.1:8100/healthz > "$OUT/healthz.json"
 kill -TERM $server; wait $server; echo "serve exited with $?"
 ls /dev/shm | grep -c qgemm
-QGEMM_TEST_PROCESS_BACKEND=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_processes.py 2>&1 \
-  | tail -n 15

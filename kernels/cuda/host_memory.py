@@ -119,16 +119,3 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
     for f in [_copiers.submit(dst.__setitem__, slice(i, i + step), src[i:i + step]) for i in range(0, rows, step)]:
         f.result()
 
-
-def register(ptr: int, nbytes: int) -> None:
-    """Page-lock host memory the process did not allocate (a front's shared-memory arena), for every device:
-    copies to and from it are then DMA, asynchronous on the stream."""
-    import cupy
-
-    cupy.cuda.runtime.hostRegister(ptr, nbytes, 1)  # cudaHostRegisterPortable
-
-
-def unregister(ptr: int) -> None:
-    import cupy
-
-    cupy.cuda.runtime.hostUnregister(ptr)
