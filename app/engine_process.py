@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from app import ipc, shm
-from app.errors import ApiError, status_of
+from app.errors import ApiError, as_http
 from app.settings import Settings
+from app.tensors import scheme_from
 from kernels.errors import QgemmError
-from kernels.requant import Scheme
 from models.store import FileChanged, Model, ModelStore, NotFound
 
 log = logging.getLogger("qgemm")
@@ -32,23 +32,11 @@ HOUSEKEEPING_S = 5.0  # how often the engine lets go of the arenas of fronts tha
 
 def error_reply(exc: BaseException) -> dict[str, Any]:
     """An exception as the front turns it back into the same HTTP answer (app/errors.py's mapping)."""
-    if isinstance(exc, ApiError):
-        status, code, message, headers = exc.status, exc.code, exc.message, exc.headers
-    elif isinstance(exc, QgemmError):
-        status, code, message = status_of(exc), exc.code, exc.message
-        headers = {"Retry-After": "1"} if status == 503 else None
-    elif isinstance(exc, FileChanged):
-        status, code, headers = 409, "model_changed", None
-        message = f"{exc}; the server reads it again: retry the request"
-    elif isinstance(exc, NotFound):
-        status, code, message, headers = 404, "not_found", str(exc), None
-    else:
+    mapped = as_http(exc)
+    if mapped is None:
         raise exc
+    status, code, message, headers = mapped
     return {"error": {"status": status, "code": code, "message": message, "headers": headers}}
-
-
-def scheme_from(fields: list | None) -> Scheme | None:
-    return Scheme(fields[0], fields[1], fields[2]) if fields else None
 
 
 class Segments:

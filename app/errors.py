@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded, QgemmError
-from models.store import FileChanged
+from models.store import FileChanged, NotFound
 
 log = logging.getLogger("qgemm")
 
@@ -48,29 +48,37 @@ def status_of(exc: QgemmError) -> int:
     return next((s for cls, s in DOMAIN_STATUS.items() if isinstance(exc, cls)), 500)
 
 
+def as_http(exc: BaseException) -> tuple[int, str, str, dict[str, str] | None] | None:
+    """(status, code, message, headers) of an error the service answers with, or None for a fault of its own;
+    the handlers below and the engine process (its answers to the fronts) both say it this way."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.code, exc.message, exc.headers
+    if isinstance(exc, QgemmError):
+        status = status_of(exc)
+        retry = RETRY_AFTER.get(status)
+        return status, exc.code, exc.message, {"Retry-After": retry} if retry else None
+    if isinstance(exc, FileChanged):
+        return 409, "model_changed", f"{exc}; the server reads it again: retry the request", None
+    if isinstance(exc, NotFound):
+        return 404, "not_found", str(exc), None
+    return None
+
+
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 422: "unprocessable", 503: "unavailable"}
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message, exc.headers)
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(*as_http(exc))  # type: ignore[misc]
 
-    @app.exception_handler(QgemmError)
-    async def _domain_error(_: Request, exc: QgemmError) -> JSONResponse:
-        status = status_of(exc)
-        retry = RETRY_AFTER.get(status)
-        return error_response(status, exc.code, exc.message, {"Retry-After": retry} if retry else None)
+    for kind in (ApiError, QgemmError, FileChanged):
+        app.add_exception_handler(kind, _mapped)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail),
                               getattr(exc, "headers", None))
-
-    @app.exception_handler(FileChanged)
-    async def _file_changed(_: Request, exc: FileChanged) -> JSONResponse:
-        return error_response(409, "model_changed", f"{exc}; the server reads it again: retry the request")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

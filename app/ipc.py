@@ -74,7 +74,7 @@ class Channel:
         try:
             while True:
                 message = await read_frame(reader)
-                future = self._pending.pop(message.get("id", -1), None)
+                future = self._pending.pop(message.pop("id", -1), None)
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError):

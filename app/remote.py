@@ -16,6 +16,7 @@ from app import shm
 from app.errors import ApiError
 from app.ipc import Channel, EngineUnavailable
 from app.scheduler import Answer
+from app.tensors import scheme_fields
 from app.validation import check_shape
 from kernels.kernel import Kernel
 from kernels.registry import KERNELS
@@ -25,10 +26,6 @@ from kernels.types import Result
 from models.store import Model, TensorInfo
 
 RETRY = {"Retry-After": "1"}
-
-
-def scheme_fields(scheme: Scheme | None) -> list | None:
-    return [scheme.format, scheme.blocksize, scheme.double_quant] if scheme is not None else None
 
 
 def supervisor_state(run_dir: Path) -> dict[str, Any]:
@@ -72,7 +69,6 @@ class RemoteService:
         processes = state.get("processes", [])
         try:
             health = await self._call({"op": "health"}, timeout=2.0)
-            health.pop("id", None)
             self._last_health = health
             down = any(p["role"] == "engine" and p["state"] != "ok" for p in processes)
         except ApiError:
@@ -122,9 +118,7 @@ class RemoteService:
         return {"freed_bytes": reply["freed_bytes"], "resident": reply["resident"]}
 
     async def residency(self, model: Model) -> dict[str, Any]:
-        reply = await self._call({"op": "residency", "model": model.id})
-        reply.pop("id", None)
-        return reply
+        return await self._call({"op": "residency", "model": model.id})
 
     async def quant_times(self, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],
                           ms: list[int]) -> tuple[str | None, bool]:
