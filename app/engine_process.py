@@ -66,13 +66,9 @@ class Segments:
 
     def drop_dead(self) -> None:
         for name in list(self.attached):
-            try:
-                pid = int(name.split("-")[-2])
-                os.kill(pid, 0)
-            except (ValueError, IndexError, ProcessLookupError):
+            pid = shm.owner(name)
+            if pid is None or not shm.alive(pid):
                 self.drop(name)
-            except PermissionError:
-                pass
 
 
 class EngineServer:

@@ -6,7 +6,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi_offline import FastAPIOffline
@@ -19,6 +19,9 @@ from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
 from app.service import LocalService
+
+if TYPE_CHECKING:
+    from app.remote import RemoteService
 from app.settings import Settings
 from kernels.cache import ByteLRU
 from models import gguf_index
@@ -28,7 +31,7 @@ log = logging.getLogger("qgemm")
 GiB = 1 << 30
 
 
-def create_app(settings: Settings | None = None, service: Any = None) -> FastAPI:
+def create_app(settings: Settings | None = None, service: RemoteService | None = None) -> FastAPI:
     """The app: with its engine in this process, or (`service`, a RemoteService) a front of `qgemm serve` whose
     engine is another process."""
     settings = settings or Settings.from_env()

@@ -37,6 +37,8 @@ def supervisor_state(run_dir: Path) -> dict[str, Any]:
 
 
 class RemoteService:
+    """app/service.py's Service, answered by the engine process."""
+
     def __init__(self, socket_path: str, run_dir: Path, instance: str, arena_bytes: int, max_rows: int):
         self.channel = Channel(socket_path)
         self.max_rows = max_rows

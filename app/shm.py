@@ -56,7 +56,15 @@ def remove(name: str) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def owner(name: str) -> int | None:
+    """The pid in a segment's name, or None for a name not made by `segment_name`."""
+    try:
+        return int(name.split("-")[-2])
+    except (ValueError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,11 +78,10 @@ def clean(instance: str, pid: int | None = None) -> list[str]:
     """Remove this instance's segments of process `pid`, or (None) of every process that no longer runs."""
     removed = []
     for path in SHM_DIR.glob(f"{PREFIX}-{instance}-*"):
-        try:
-            owner = int(path.name.split("-")[-2])
-        except (ValueError, IndexError):
+        made_by = owner(path.name)
+        if made_by is None:
             continue
-        if (pid is not None and owner == pid) or (pid is None and not _alive(owner)):
+        if (pid is not None and made_by == pid) or (pid is None and not alive(made_by)):
             remove(path.name)
             removed.append(path.name)
     return removed
@@ -153,10 +160,6 @@ class Arena:
             self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
 
     def close(self) -> None:
         try:

@@ -10,6 +10,7 @@ sweep: scripts/seed_sweep.sh).
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -30,7 +31,13 @@ from models.store import ModelStore
 
 # the header indexes of this run (models/gguf_index.py), for its TestClients and for the servers its tests start:
 # large headers are read once per run, by `real_models_dir`, not once per client
-CACHE_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-cache-"))
+# (one for the whole run: pytest-xdist's workers inherit the controller's)
+if os.environ.get("QGEMM_TEST_CACHE_DIR"):
+    CACHE_DIR = Path(os.environ["QGEMM_TEST_CACHE_DIR"])
+else:
+    CACHE_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-cache-"))
+    os.environ["QGEMM_TEST_CACHE_DIR"] = str(CACHE_DIR)
+    atexit.register(shutil.rmtree, CACHE_DIR, True)
 os.environ["QGEMM_CACHE_DIR"] = str(CACHE_DIR)
 SMOL_ID = SMOLLM2.file[: -len(".gguf")]
 GEMMA_ID = GEMMA3_Q4_K_M.file[: -len(".gguf")]

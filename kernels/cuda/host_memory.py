@@ -118,4 +118,3 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
     step = -(-rows // COPY_BLOCKS)
     for f in [_copiers.submit(dst.__setitem__, slice(i, i + step), src[i:i + step]) for i in range(0, rows, step)]:
         f.result()
-
