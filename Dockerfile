@@ -1,7 +1,7 @@
 # qgemm on an NVIDIA CUDA runtime image (the CUDA runtime, cuBLAS and NVRTC that CuPy loads).
 #   docker build -t qgemm .                                    # CUDA 13: NVIDIA driver >= 580
 #   docker build -t qgemm:cuda12 --build-arg CUDA=12 .         # CUDA 12: drivers 525..579
-#   docker run --gpus all -p 8000:8000 -v qgemm-models:/models qgemm
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -v qgemm-models:/models qgemm
 # The models are not in the image: the first start writes the demo and fetches SmolLM2 and Gemma 3 into the
 # /models volume (about 1 GB, once); later starts find them there.
 ARG CUDA=13

@@ -87,7 +87,10 @@ class RemoteService:
         check_shape(x, info, self.max_rows)  # before a slot is cut for it: the arena's bound, whatever M claims
         (m, k), n = x.shape, info.shape[0]
         assert self.arena is not None, "the front's arena is made at its start"
-        slot = self.arena.slot(m, k, n)
+        try:
+            slot = self.arena.slot(m, k, n)
+        except shm.NoSharedMemory as exc:  # the arena is full and /dev/shm cannot hold a segment of its own
+            raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
         with np.errstate(over="ignore", invalid="ignore"):
             np.copyto(slot.x(), x, casting="unsafe")
         message = {"op": "matmul", "model": model.id, "tensor": info.name,

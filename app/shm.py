@@ -41,8 +41,30 @@ def _untracked(shm: SharedMemory) -> SharedMemory:
     return shm
 
 
+class NoSharedMemory(OSError):
+    """/dev/shm cannot hold a segment (a container's --shm-size, 64 MiB by default in Docker)."""
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def create(name: str, nbytes: int) -> SharedMemory:
-    return _untracked(SharedMemory(name=name, create=True, size=max(nbytes, ALIGN)))
+    """A segment whose pages are all reserved now: a tmpfs file is sparse, and touching a page that /dev/shm
+    cannot back kills the process with SIGBUS; reserved up front, a full /dev/shm is an error here instead."""
+    shm = _untracked(SharedMemory(name=name, create=True, size=max(nbytes, ALIGN)))
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(shm._fd, 0, shm.size)  # type: ignore[attr-defined]
+    except OSError as exc:
+        shm.close()
+        remove(name)
+        raise NoSharedMemory(f"/dev/shm cannot hold {shm.size >> 20} MiB more ({shm_free() >> 20} MiB free: "
+                             f"{exc.strerror}); give the container more (docker run --shm-size) or lower "
+                             "QGEMM_FRONT_ARENA_BYTES / QGEMM_FRONTS") from None
+    return shm
 
 
 def attach(name: str) -> SharedMemory:

@@ -63,6 +63,23 @@ class Child:
         return self.process.pid if self.process is not None else None
 
 
+MIN_ARENA_BYTES = 1 << 20  # the smallest QGEMM_FRONT_ARENA_BYTES: still tens of M = 1 requests at a time
+
+
+def arena_bytes_for(want: int, fronts: int, free: int) -> int:
+    """Each front's arena: QGEMM_FRONT_ARENA_BYTES, or less where /dev/shm is small (a container's --shm-size,
+    64 MiB by default in Docker): the arenas take at most half of what is free, the rest left to requests too
+    large for them.  ValueError where even MIN_ARENA_BYTES a front does not fit."""
+    fit = (free // 2 // max(fronts, 1)) >> 20 << 20
+    if want <= fit:
+        return want
+    if fit < MIN_ARENA_BYTES:
+        raise ValueError(f"/dev/shm has {free >> 20} MiB free, too little for {fronts} front(s) of at least "
+                         f"{MIN_ARENA_BYTES >> 20} MiB each: give the container more (docker run --shm-size=1g) or "
+                         "run fewer fronts (QGEMM_FRONTS)")
+    return fit
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket of this front's own on the shared port (SO_REUSEPORT): the kernel spreads new connections
     over the fronts, and a front that dies takes only its own connections with it."""
@@ -184,6 +201,19 @@ class Supervisor:
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
+        fronts = len(self.children) - 1
+        try:
+            arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, shm.shm_free())
+        except ValueError as exc:
+            log.error("%s", exc)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return 2
+        if arena != self.settings.front_arena_bytes:
+            log.warning("/dev/shm has %d MiB free: each front's arena is %d MiB instead of QGEMM_FRONT_ARENA_BYTES' "
+                        "%d MiB (larger requests get segments of their own while there is room; docker run "
+                        "--shm-size=1g gives room)", shm.shm_free() >> 20, arena >> 20,
+                        self.settings.front_arena_bytes >> 20)
+            self.env["QGEMM_FRONT_ARENA_BYTES"] = str(arena)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         from app.announce import announce_urls, announce_version
