@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -41,24 +42,35 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
 
 class Segments:
     """The fronts' arenas this engine has attached, by name; a request's own segment is attached for its product
-    alone.  They are not page-locked: registering a front's 64 MiB arena with CUDA (cudaHostRegister) stalled the
-    H100 machine's engine for seconds at a time under load (64 and 256 clients: p99 0.4 and 3.4 s against 12 and
-    72 ms without it, 2026-11-25); X goes through the backend's pinned staging as in one process, and Y is copied
-    into the slot from the device directly."""
+    alone.  With `pin` (QGEMM_PIN_ARENAS, on a GPU) an arena is page-locked once, at its first request, and the
+    device copies Y into it by DMA; without, X goes through the backend's pinned staging as in one process and Y
+    is copied into the slot through the driver's staging."""
 
-    def __init__(self) -> None:
-        self.attached: dict[str, Any] = {}
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self.attached: dict[str, tuple[Any, int | None]] = {}
 
-    def buffer(self, name: str) -> memoryview:
-        segment = self.attached.get(name)
-        if segment is None:
-            segment = self.attached[name] = shm.attach(name)
-        return segment.buf
+    def buffer(self, name: str, own: bool = False) -> memoryview:
+        hit = self.attached.get(name)
+        if hit is None:
+            segment = shm.attach(name)
+            ptr = None
+            if self.pin and not own:  # a request's own segment lives for one product: not worth locking
+                from kernels.cuda import host_memory
+
+                ptr = np.frombuffer(segment.buf, np.uint8).ctypes.data
+                host_memory.register(ptr, segment.size)
+            hit = self.attached[name] = (segment, ptr)
+        return hit[0].buf
 
     def drop(self, name: str) -> None:
-        segment = self.attached.pop(name, None)
+        segment, ptr = self.attached.pop(name, (None, None))
         if segment is None:
             return
+        if ptr is not None:
+            from kernels.cuda import host_memory
+
+            host_memory.unregister(ptr)
         try:
             segment.close()
         except BufferError:  # a view of it is still alive somewhere: the mapping goes with the process
@@ -89,7 +101,7 @@ class EngineServer:
         for worker in self.engine.workers:
             worker.scheduler.observe = self.metrics.observe_batch
         self.metrics.track(self.engine.workers, self.engine.pools["cuda"], self.engine.outputs)
-        self.segments = Segments()
+        self.segments = Segments(pin=settings.pin_arenas and self.engine.cuda is not None)
 
     async def model(self, model_id: str) -> Model:
         model = await self.store.current(model_id)
@@ -107,7 +119,7 @@ class EngineServer:
         t0 = time.perf_counter()
         m, k, n = msg["m"], msg["k"], msg["n"]
         own = msg.get("own", False)
-        buf = self.segments.buffer(msg["segment"])
+        buf = self.segments.buffer(msg["segment"], own)
         x = y = None
         try:
             x = np.ndarray((m, k), np.float32, buf, msg["x"])
@@ -182,6 +194,8 @@ def run(env: dict[str, str], socket_path: str) -> None:
     from app import logs
 
     logs.setup(settings.log_level, settings.log_format)
+    if settings.gil_switch_us is not None:
+        sys.setswitchinterval(settings.gil_switch_us / 1e6)
     import uvloop
 
     uvloop.run(_serve(settings, socket_path))

@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     """Every setting is a QGEMM_* environment variable (QGEMM_MODELS_DIR for models_dir) and a flag of `qgemm
     serve` (--models-dir); a flag wins over the variable.  The descriptions are the flags' help."""
 
-    model_config = SettingsConfigDict(env_prefix="QGEMM_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="QGEMM_", extra="ignore", validate_default=True,
+                                      env_ignore_empty=True)  # QGEMM_X= is unset, as in compose files
 
     models_dir: Path = Field(default_factory=default_models_dir, description="the directory of .gguf files")
     cache_dir: Path = Field(default_factory=default_cache_dir,
@@ -61,6 +62,8 @@ class Settings(BaseSettings):
     front_arena_bytes: int = Field(64 * MiB, ge=1 << 20, description="each front's shared memory for requests' "
                                                                       "activations and products (larger ones get "
                                                                       "their own)")
+    pin_arenas: bool = Field(True, description="on a GPU, the engine page-locks each front's arena, so that "
+                                                "products are copied into it by DMA")
     quant_compare_max_values: int = Field(1 << 25, gt=0, description="largest tensor the quantization report "
                                                                      "requantizes (host memory)")
     devices: str | None = Field(None, description="the GPUs to serve on: all, or CUDA ordinals like 0,1 (a worker "

@@ -109,6 +109,20 @@ class PinnedOutputs:
             self._free.clear()
 
 
+def register(ptr: int, size: int) -> None:
+    """Page-lock `size` bytes at `ptr` that another process mapped (a front's shared-memory arena), portable:
+    copies between it and any device then run as DMA, without the driver's staging."""
+    import cupy
+
+    cupy.cuda.runtime.hostRegister(ptr, size, PORTABLE)
+
+
+def unregister(ptr: int) -> None:
+    import cupy
+
+    cupy.cuda.runtime.hostUnregister(ptr)
+
+
 def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
     """src into dst (pinned staging): a large array in row blocks on several threads (numpy's copy lets the GIL go)."""
     rows = src.shape[0]
