@@ -1,5 +1,5 @@
 """qgemm: inspect GGUF models and multiply their quantized weights the way llama.cpp does (fetch, serve, inspect,
-cut, bench, loadtest, soak)."""
+cut, bench, side-by-side, loadtest, soak)."""
 
 from __future__ import annotations
 
@@ -215,6 +215,16 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     return bench_main(args)
 
 
+def cmd_side_by_side(args: argparse.Namespace, settings: Settings) -> int:
+    from tools.side_by_side import main as side_by_side_main
+
+    try:
+        return side_by_side_main(args)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"qgemm side-by-side: {exc}", file=sys.stderr)
+        return 1
+
+
 def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
     import httpx
 
@@ -326,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments = None
     if add_arguments:
         add_arguments(p)
+    p = sub.add_parser("side-by-side", help="join a bench.json with llama.cpp's perf output of the same machine "
+                                            "session: a table, a picture and side-by-side.json")
+    from tools.side_by_side import add_arguments as side_by_side_arguments
+
+    side_by_side_arguments(p)
     p = sub.add_parser("loadtest", help="drive a running server with concurrent clients; report throughput, latency")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="demo")
@@ -361,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logs.setup(settings.log_level, settings.log_format)
     commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench,
-                "loadtest": cmd_loadtest, "soak": cmd_soak}
+                "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest, "soak": cmd_soak}
     return commands[args.command](args, settings)
 
 

@@ -35,3 +35,51 @@ def test_tuning_table_of_some_types_keeps_the_others(tmp_path) -> None:
     assert entries["Q4_1"]["ranking"] == ["gemv_rows", "gemv"] and entries["Q4_1"]["date"] == "d2"
     write_table({"device": "other GPU", "date": "d3", "rows": [row("Q4_1", 1, "gemv", 6.0)]}, path)
     assert [e["type"] for e in json.loads(path.read_text())["entries"]] == ["Q4_1"]  # another device: nothing kept
+
+
+PERF = """Backend 1/2: CUDA0
+  MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=1,k=14336,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1):   13400 runs -    14.91 us/run - 117.44 MFLOP/run -   7.87 TFLOPS
+  MUL_MAT(type_a=q2_K,type_b=f32,m=4096,n=8,k=4096,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1):   1300 runs -   21.10 us/run -  17.18 GFLOP/run - \x1b[1;34m110.91 TFLOPS\x1b[0m
+  MUL_MAT(type_a=iq4_xs,type_b=f32,m=4096,n=8,k=4096,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1): not supported
+"""  # noqa: E501  (test-backend-ops perf's own lines)
+
+
+def _bench_row(t: str, k: int, m: int, kernel: str, same: float, auto: str) -> dict:
+    return {"type": t, "K": k, "N": 4096, "M": m, "kernel": kernel, "auto_kernel": auto, "total_same_us": same,
+            "total_us": same * 1.1, "bw_share": 0.8, "nmse": 1e-6}
+
+
+def test_llama_cpp_times_are_read_from_test_backend_ops_output(tmp_path) -> None:
+    from tools.side_by_side import load_llama_cpp, parse_perf
+
+    assert parse_perf(PERF) == {("Q4_0", 14336, 1): 14.91, ("Q2_K", 4096, 8): 21.10}  # ggml's n is our M
+    path = tmp_path / "perf.txt"
+    path.write_text(PERF)
+    assert load_llama_cpp(path)[("Q4_0", 14336, 1)] == 14.91
+    (tmp_path / "other.txt").write_text("no MUL_MAT here")
+    import pytest
+
+    with pytest.raises(ValueError, match="no MUL_MAT lines"):
+        load_llama_cpp(tmp_path / "other.txt")
+
+
+def test_side_by_side_takes_autos_kernel_and_round_trips(tmp_path) -> None:
+    """The row of a shape is the kernel auto runs there (not the fastest); the written JSON gives llama.cpp's
+    column back to `qgemm bench --llama-cpp`."""
+    import json
+
+    from tools.side_by_side import join, load_llama_cpp, markdown, parse_perf
+
+    bench = {"device": "GPU", "date": "2026-11-25", "copy_bandwidth_gbps": 3000.0,
+             "rows": [_bench_row("Q4_0", 14336, 1, "gemv", 13.6, "gemv"),
+                      _bench_row("Q4_0", 14336, 1, "mmq", 9.0, "gemv"),
+                      _bench_row("Q2_K", 4096, 8, "gemv", 23.2, "gemv")]}
+    doc = join(bench, parse_perf(PERF))
+    rows = {(r["type"], r["M"]): r for r in doc["rows"]}
+    assert rows[("Q4_0", 1)]["kernel"] == "gemv" and rows[("Q4_0", 1)]["ratio"] == round(13.6 / 14.91, 3)
+    assert rows[("Q2_K", 8)]["ratio"] > 1
+    table = markdown(doc)
+    assert "**1.10** (23.2 µs, gemv)" in table and "0.91 (13.6 µs, gemv)" in table  # slower: in bold
+    path = tmp_path / "side-by-side.json"
+    path.write_text(json.dumps(doc))
+    assert load_llama_cpp(path) == {("Q4_0", 14336, 1): 14.91, ("Q2_K", 4096, 8): 21.10}

@@ -20,39 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# llama.cpp (ggml CUDA, test-backend-ops perf -o MUL_MAT, same buffers), H100 80GB HBM3, µs per op,
-# including its on-device Q8_1 step; from ../shared/anchors.md (measured 2026-11-21).
-LLAMA_CPP_US = {
-    ("Q4_0", 4096): {1: 6.51, 8: 12.19, 32: 21.73, 128: 42.62, 512: 92.62, 2048: 361.05},
-    ("Q8_0", 4096): {1: 7.81, 8: 14.39, 32: 21.27, 128: 40.56, 512: 91.98, 2048: 351.84},
-    ("Q4_0", 14336): {1: 14.91, 8: 34.20, 32: 49.99, 128: 103.98, 512: 316.55, 2048: 1196.34},
-    ("Q8_0", 14336): {1: 27.25, 8: 46.42, 32: 60.71, 128: 109.59, 512: 318.22, 2048: 1227.01},
-    # anchors.md, "Every block format" (2026-11-22, same method); F16/BF16/F32: ggml's cuBLAS path
-    ("Q4_1", 4096): {1: 8.1, 8: 11.7, 32: 21.8, 128: 45.8, 512: 101.7, 2048: 399.0},
-    ("Q5_0", 4096): {1: 9.7, 8: 13.7, 32: 24.6, 128: 44.9, 512: 102.6, 2048: 400.9},
-    ("Q5_1", 4096): {1: 7.7, 8: 13.1, 32: 23.7, 128: 47.5, 512: 108.6, 2048: 431.1},
-    ("Q4_1", 14336): {1: 12.6, 8: 32.5, 32: 51.0, 128: 117.5, 512: 351.2, 2048: 1387.1},
-    ("Q5_0", 14336): {1: 18.9, 8: 39.1, 32: 63.0, 128: 115.2, 512: 357.3, 2048: 1387.5},
-    ("Q5_1", 14336): {1: 19.7, 8: 37.7, 32: 59.5, 128: 125.9, 512: 375.7, 2048: 1480.2},
-    ("F16", 4096): {1: 9.0, 8: 9.9, 32: 22.3, 128: 28.6, 512: 55.7, 2048: 172.4},
-    ("BF16", 4096): {1: 9.5, 8: 9.9, 32: 15.4, 128: 20.4, 512: 40.0, 2048: 141.7},
-    ("Q2_K", 4096): {1: 8.1, 8: 21.1, 32: 28.2, 128: 85.1, 512: 154.9, 2048: 628.3},
-    ("Q2_K", 14336): {1: 17.8, 8: 60.0, 32: 63.4, 128: 272.7, 512: 543.2, 2048: 2137.9},
-    ("Q3_K", 4096): {1: 12.1, 8: 23.8, 32: 24.6, 128: 53.6, 512: 124.9, 2048: 497.9},
-    ("Q3_K", 14336): {1: 29.2, 8: 65.5, 32: 58.8, 128: 143.6, 512: 432.2, 2048: 1704.4},
-    ("Q4_K", 4096): {1: 8.4, 8: 23.3, 32: 22.0, 128: 47.3, 512: 104.8, 2048: 413.1},
-    ("Q4_K", 14336): {1: 17.0, 8: 68.2, 32: 50.5, 128: 120.5, 512: 362.6, 2048: 1363.8},
-    ("Q5_K", 4096): {1: 8.9, 8: 23.6, 32: 23.6, 128: 47.1, 512: 114.5, 2048: 431.7},
-    ("Q5_K", 14336): {1: 20.7, 8: 72.0, 32: 61.5, 128: 126.8, 512: 368.1, 2048: 1419.3},
-    ("Q6_K", 4096): {1: 10.6, 8: 19.9, 32: 26.6, 128: 51.4, 512: 131.9, 2048: 491.6},
-    ("Q6_K", 14336): {1: 29.8, 8: 63.1, 32: 69.7, 128: 145.8, 512: 439.7, 2048: 1684.7},
-    ("IQ4_NL", 4096): {1: 7.8, 8: 12.7, 32: 21.9, 128: 42.0, 512: 91.1, 2048: 358.8},
-    ("IQ4_NL", 14336): {1: 16.3, 8: 34.9, 32: 47.5, 128: 104.4, 512: 323.6, 2048: 1267.0},
-    ("IQ4_XS", 4096): {1: 10.2, 8: 15.5, 32: 20.8, 128: 41.4, 512: 94.1, 2048: 348.9},
-    ("IQ4_XS", 14336): {1: 15.8, 8: 37.2, 32: 45.0, 128: 99.4, 512: 295.0, 2048: 1106.6},
-    ("MXFP4", 4096): {1: 7.8, 8: 14.5, 32: 22.9, 128: 42.6, 512: 95.6, 2048: 366.4},
-    ("MXFP4", 14336): {1: 20.3, 8: 40.4, 32: 51.6, 128: 107.8, 512: 327.7, 2048: 1248.7},
-}
+from tools.side_by_side import load_llama_cpp
+
+# cuBLAS fp16 on the same H100 kind, from ../shared/anchors.md (2026-11-21): a reference line where a run has no
+# cuBLAS kernel of its own.  llama.cpp's column comes from a file of the same session (--llama-cpp), never from here.
 CUBLAS_F16_US = {
     4096: {1: 8.96, 8: 9.86, 32: 18.10, 128: 27.79, 512: 53.31, 2048: 169.47},
     14336: {1: 40.36, 8: 47.46, 32: 60.37, 128: 72.53, 512: 138.76, 2048: 492.38},
@@ -68,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
     p.add_argument("--tune", action="store_true", help="also write the auto table (kernels/tuning/table.json)")
+    p.add_argument("--llama-cpp", default=None, metavar="FILE",
+                   help="llama.cpp's times for the llama.cpp column: ../shared/ggml-parity/perf.sh's output of the "
+                        "same machine session, or a side-by-side.json (tools/side_by_side.py)")
 
 
 def _median_ms(cupy: Any, fn: Any, reps: int, warmup: int, rotate: int) -> float:
@@ -208,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [n for n in names if backend.kernel_reason(KERNELS[n]) is None]
     ms_list = [int(x) for x in args.m.split(",")]
     rows: list[dict[str, Any]] = []
+    llama = load_llama_cpp(args.llama_cpp) if args.llama_cpp else {}
 
     def work() -> dict[str, Any]:
         with backend.stream:
@@ -243,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         x = cupy.asarray(rng.standard_normal((m, k)).astype(np.float32))
                         want = x.astype(cupy.float64) @ w32.T
                         y = cupy.empty((m, n), dtype=cupy.float32)
+                        picked = backend.auto(type_name, m, n, k)
                         for name in names:
                             spec = KERNELS[name]
                             if spec.can_run(type_name, m, n, k, backend.cc):
@@ -269,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             moved = wbytes + m * k * 4 + m * n * 4
                             rows.append({
                                 "type": type_name, "K": k, "N": n, "M": m, "kernel": name, "timing": method,
+                                "auto_kernel": picked.name if picked is not None else None,
                                 "quantize_us": qms * 1e3, "gemm_us": rot * 1e3, "total_us": total * 1e3,
                                 "total_same_us": total_same * 1e3,
                                 "tops": 2 * m * n * k / (total * 1e-3) / 1e12,
@@ -276,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "bw_share": moved / (total * 1e-3) / bw,
                                 "mma_share": 2 * m * n * k / (total * 1e-3) / (peak * 1e12),
                                 "floor_us": max(moved / bw, 2 * m * n * k / (peak * 1e12)) * 1e6,
-                                "llama_cpp_us": LLAMA_CPP_US.get((type_name, k), {}).get(m),
+                                "llama_cpp_us": llama.get((type_name, k, m)),
                                 "cublas_f16_anchor_us": CUBLAS_F16_US.get(k, {}).get(m),
                                 "bitsandbytes_us": None,
                             })
@@ -303,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "l2_bytes": backend.l2_bytes, "date": datetime.date.today().isoformat(),
         "copy_bandwidth_gbps": ceilings["bw"] / 1e9, "int8_mma_peak_tops": ceilings["peak"],
         "reps": args.reps, "warmup": args.warmup, "compile_ms": backend.compile_ms, "rows": rows,
+        "llama_cpp_source": args.llama_cpp,
     }
 
 
@@ -330,6 +308,14 @@ def _timing_note(result: dict[str, Any]) -> str:
             f"cost): {', '.join(f'`{n}`' for n in names)}.")
 
 
+def _llama_note(result: dict[str, Any]) -> str:
+    source = result.get("llama_cpp_source")
+    if not source:
+        return "none given (`--llama-cpp FILE`: perf.sh's output of the same machine session)."
+    return (f"`{source}` (ggml's test-backend-ops perf -o MUL_MAT, same buffers), which must come from the same "
+            "machine session to compare.")
+
+
 def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
     """docs/reports/kernel-benchmarks.md: device, date, method, ceilings, the table and the picture."""
     return f"""# Benchmarks
@@ -352,8 +338,7 @@ FP64 product of the dequantized weights. Ceilings measured in the same run: devi
 {result['copy_bandwidth_gbps']:.0f} GB/s (read + write), int8 `mma.sync` loop {result['int8_mma_peak_tops']:.0f} TOPS.
 "Share of bound" is max(bytes / copy bandwidth, ops / mma peak) over the measured time (HBM figure).
 
-llama.cpp's figures are from `../shared/anchors.md` (ggml CUDA, **H100 80GB HBM3**, same buffers). Where
-this run's device is not an H100, the "vs llama.cpp" column compares different GPUs and is a lead only.
+llama.cpp's figures: {_llama_note(result)}
 
 ![time per kernel per M]({picture})
 
@@ -376,7 +361,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         floor = sorted({(r["M"], r["floor_us"]) for r in rows})
         ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="roofline floor")
-        llama = sorted(LLAMA_CPP_US.get((t, k), {}).items())
+        llama = sorted({(r["M"], r["llama_cpp_us"]) for r in rows if r["llama_cpp_us"]})
         ax.plot([p[0] for p in llama], [p[1] for p in llama], "kx", markersize=9, label="llama.cpp (same buffer)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
