@@ -201,9 +201,9 @@ class Supervisor:
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
-        fronts = len(self.children) - 1
+        fronts, free = len(self.children) - 1, shm.shm_free()
         try:
-            arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, shm.shm_free())
+            arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, free)
         except ValueError as exc:
             log.error("%s", exc)
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -211,7 +211,7 @@ class Supervisor:
         if arena != self.settings.front_arena_bytes:
             log.warning("/dev/shm has %d MiB free: each front's arena is %d MiB instead of QGEMM_FRONT_ARENA_BYTES' "
                         "%d MiB (larger requests get segments of their own while there is room; docker run "
-                        "--shm-size=1g gives room)", shm.shm_free() >> 20, arena >> 20,
+                        "--shm-size=1g gives room)", free >> 20, arena >> 20,
                         self.settings.front_arena_bytes >> 20)
             self.env["QGEMM_FRONT_ARENA_BYTES"] = str(arena)
         for sig in (signal.SIGTERM, signal.SIGINT):

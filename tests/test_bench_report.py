@@ -83,3 +83,12 @@ def test_side_by_side_takes_autos_kernel_and_round_trips(tmp_path) -> None:
     path = tmp_path / "side-by-side.json"
     path.write_text(json.dumps(doc))
     assert load_llama_cpp(path) == {("Q4_0", 14336, 1): 14.91, ("Q2_K", 4096, 8): 21.10}
+
+
+def test_bench_refuses_a_llama_cpp_file_it_cannot_read_before_any_gpu_work(tmp_path, capsys) -> None:
+    from app.cli import main
+
+    (tmp_path / "perf.txt").write_text("not test-backend-ops output")
+    assert main(["bench", "--llama-cpp", str(tmp_path / "perf.txt")]) == 2
+    assert "no MUL_MAT lines" in capsys.readouterr().out
+    assert main(["bench", "--llama-cpp", str(tmp_path / "missing.txt")]) == 2

@@ -157,7 +157,8 @@ def bnb_us(values: Any, quant_type: str, x: Any, rotate_bytes: int, reps: int) -
     return statistics.median(times) * 1e3
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, llama: dict[tuple[str, int, int], float]) -> dict[str, Any]:
+    """Every kernel on every (type, K, M) of `args`; `llama`: llama.cpp's µs by (type, K, M) for its column."""
     import cupy
     import numpy as np
     from gguf import GGUFReader
@@ -182,7 +183,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [n for n in names if backend.kernel_reason(KERNELS[n]) is None]
     ms_list = [int(x) for x in args.m.split(",")]
     rows: list[dict[str, Any]] = []
-    llama = load_llama_cpp(args.llama_cpp) if args.llama_cpp else {}
 
     def work() -> dict[str, Any]:
         with backend.stream:
@@ -376,12 +376,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:  # a bad file is said before any GPU work
+        llama = load_llama_cpp(args.llama_cpp) if args.llama_cpp else {}
+    except (OSError, ValueError) as exc:
+        print(f"qgemm bench: --llama-cpp: {exc}")
+        return 2
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("qgemm bench needs CuPy and a GPU (pip install -e '.[cuda]')")
         return 2
-    result = run(args)
+    result = run(args, llama)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
