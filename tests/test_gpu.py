@@ -224,6 +224,19 @@ def test_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_nam
 
 
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
+def test_skinny_stages_splits_and_tails(backend, rng: np.random.Generator, type_name: str) -> None:
+    """gemv at 2 <= M <= 8 (the skinny MMA, K staged through shared memory): every activation row count, K
+    split over blocks or not, a last stage of one quant block, rows of scales not 16-byte aligned (K / 32 odd),
+    N past the last 16-row block, and a deep K split into a zeroed output."""
+    spec = KERNELS["gemv"]
+    for m, n, k in ((2, 33, 1056), (8, 2113, 1056), (6, 257, 96), (8, 17, 14336), (5, 130, 4128), (3, 1, 32)):
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.005, 0.05)).astype(np.float32)
+        raw = quants.quantize(w, GGMLQuantizationType[type_name])
+        x = rng.standard_normal((m, k)) * rng.uniform(0.1, 10)
+        check_kernel(backend, spec, type_name, raw, x, key=f"skinny {m} {n} {k}")
+
+
+@pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Generator, type_name: str) -> None:
     """M = 1 products queued on one stream with no host sync, sharing one activation buffer: each kernel may
     get resident before the one ahead ends (pdl.py), so each quantize must still wait for the gemv before it."""

@@ -565,11 +565,15 @@ __device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __
 
 // 2 <= M <= 8: a skinny tensor-core product.  One MMA m16n8k32 takes 16 weight rows as A and 8
 // activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
-// 4-byte activation fragment loads bind the LSU), the 8 warps of a block split K, then add in shared
-// memory.  Each warp issues the loads of its next 4 blocks before the first MMA: the kernel
-// waits on L2/HBM latency, not on arithmetic.  A nibble format's packed bytes 4t..4t+3 hold k = 4t..
-// (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split
-// layout is read as it is, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).
+// 4-byte activation fragment loads bind the LSU).  A block of 8 warps takes 16 weight rows; K moves through
+// shared memory SKINNY_KB quant blocks at a time (2-4 buffers, cp.async): each stage's runs of
+// the 16 rows' quants, scales and fifth bits and of the M activation rows and their (d, s), copied in
+// 16-byte chunks, then each warp takes every 8th block of the stage and the warps add in shared memory at
+// the end.  (Fragments straight from global memory, 4 bytes of 8 rows per load, bound the L1: at K = 14336,
+// M = 8 Q5_0 took 90 us, 5x its M = 1 time.)  A nibble format's packed bytes 4t..4t+3 hold k = 4t..
+// (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split layout
+// is read as it is, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).
+// Split-K over gridDim.y (when the row blocks alone leave SMs idle) adds into a zeroed Y.
 template <typename T>
 __device__ __forceinline__ void weight_fragment(const u8* blk, unsigned qh, int t, int* lo, int* hi) {
     if constexpr (T::QS_BYTES == 16) {
@@ -580,50 +584,168 @@ __device__ __forceinline__ void weight_fragment(const u8* blk, unsigned qh, int 
     }
 }
 
+#if defined(QGEMM_BULK) && !defined(SKINNY_CP_ASYNC)  // (-D SKINNY_CP_ASYNC: the cp.async loader on Hopper too)
+#define SKINNY_BULK 1
+#endif
+#ifndef SKINNY_KB
+#define SKINNY_KB 64  // quant blocks a stage: 8 a warp (H100, K = 14336, M = 8: 32 with 3 stages 5-12% slower)
+#endif
+
+// Byte layout of one stage: a shared row per weight row (16) and per activation row (M), each a plane's run
+// for the stage.  Runs of quants and activations start 16-byte aligned; runs of scales, fifth bits and (d, s)
+// may not (K / 32 blocks a row), so they are copied from the 16-byte boundary before them (the planes are
+// padded at their end, layouts.py) and start at byte (offset & 15) of their shared row.  Strides of 4 words
+// mod 32 (plus the slack of unaligned runs) keep the 8 rows of a fragment load in different banks.
+// launch.py's skinny_stage mirrors stage(M).
+template <typename T>
+struct SkinnySmem {
+    static constexpr int SC = sizeof(typename T::Scale);
+    static constexpr int QS = SKINNY_KB * T::QS_BYTES + 16, D = SKINNY_KB * SC + 48, H = T::QH ? SKINNY_KB * 4 + 48 : 0;
+    static constexpr int A = SKINNY_KB * QK + 16, S = SKINNY_KB * 4 + 48;
+    static constexpr int O_D = 16 * QS, O_H = O_D + 16 * D, O_A = O_H + 16 * H;  // then M rows of A, M of S
+    __device__ static int stage(int M) { return O_A + M * (A + S); }
+};
+
+// Copy `rows` runs of `bytes` bytes (run r at byte off0 + r * row_bytes of src) into shared rows of `stride`
+// bytes, in 16-byte chunks from the boundary at or before each run: cp.async, the block's threads sharing the
+// chunks.
+__device__ __forceinline__ void stage_runs(u8* dst, int stride, const void* src, size_t off0, size_t row_bytes,
+                                           int rows, int bytes) {
+    const int chunks = (bytes + 15) / 16 + 1;  // a run takes at most
+    for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+        const int r = i / chunks, c = i % chunks;
+        const size_t start = off0 + r * row_bytes, chunk = (start & ~size_t(15)) + 16 * c;
+        if (chunk < start + bytes) cp_async16(dst + r * stride + 16 * c, static_cast<const u8*>(src) + chunk, true);
+    }
+}
+#ifdef SKINNY_BULK
+// The same runs, each one bulk copy (the copy engine; 16-byte boundaries around it) completing on `bar`, lane l of
+// a warp taking runs l, l + 32, ...; returns those copies' bytes (`issue` false: counts them only).
+__device__ __forceinline__ unsigned bulk_runs(u8* dst, int stride, const void* src, size_t off0, size_t row_bytes,
+                                              int rows, int bytes, unsigned long long* bar, bool issue) {
+    unsigned total = 0;
+    for (int r = threadIdx.x % WARP; r < rows; r += WARP) {
+        const size_t start = off0 + r * row_bytes, first = start & ~size_t(15);
+        const unsigned n = unsigned(((start + bytes + 15) & ~size_t(15)) - first);
+        if (issue) bulk_copy(dst + r * stride, static_cast<const u8*>(src) + first, n, bar);
+        total += n;
+    }
+    return total;
+}
+#endif
+
+// cp.async.wait_group takes an immediate: the stage count is the launch's (2..4)
+__device__ __forceinline__ void cp_async_wait_stages(int stages) {
+    if (stages >= 4) cp_async_wait<3>();
+    else if (stages == 3) cp_async_wait<2>();
+    else cp_async_wait<1>();
+}
+
+// `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py)
 template <typename T>
 __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
-                       float* __restrict__ Y, int M, int N, int K) {
-    constexpr int U = 4;  // quant blocks per warp whose loads are all issued before the first MMA
+                       float* __restrict__ Y, int M, int N, int K, int chunks_per_split, int stages, u8* buf) {
     using Scale = typename T::Scale;
+    using L = SkinnySmem<T>;
+    constexpr int SC = L::SC, CH_D = (SKINNY_KB * SC + 15) / 16 + 1, CH_S = (SKINNY_KB * 4 + 15) / 16 + 1;
     __shared__ float red[8][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16, KB = K / QK;
-    const int nA = n0 + g, nB = n0 + g + 8, m0 = 2 * t, m1 = m0 + 1;
-    const bool okA = nA < N, okB = nB < N, okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
-    const size_t rA = (size_t)(okA ? nA : 0) * KB, rB = (size_t)(okB ? nB : 0) * KB;  // first blocks of the rows
-    const i8* act = aq + (size_t)(okG ? g : 0) * K + 4 * t;
+    const int n0 = blockIdx.x * 16, KB = K / QK, rows = min(16, N - n0);
+    const int c0 = blockIdx.y * chunks_per_split, chunks = min((KB + SKINNY_KB - 1) / SKINNY_KB - c0, chunks_per_split);
+    const int STAGE = L::stage(M), O_S = L::O_A + M * L::A;
+    const int m0 = 2 * t, m1 = m0 + 1;
+    const bool okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
+    // where each run a thread reads starts in its shared row (the same for every stage: SKINNY_KB * SC is a
+    // multiple of 16)
+    const size_t rowA = (size_t)(n0 + g) * KB, rowB = rowA + 8 * (size_t)KB;
+    const int dA = int(rowA * SC & 15), dB = int(rowB * SC & 15), hA = int(rowA * 4 & 15), hB = int(rowB * 4 & 15);
+    const int s0off = int((size_t)m0 * KB * 4 & 15), s1off = int((size_t)m1 * KB * 4 & 15);
+
+    // f(shared rows, their stride, plane, first run's byte offset, bytes from run to run, runs, bytes a run) for
+    // each plane's runs of stage c of this split
+    auto for_planes = [&](int c, auto&& f) {
+        u8* s = buf + (c % stages) * STAGE;
+        const int kb0 = (c0 + c) * SKINNY_KB, nkb = min(SKINNY_KB, KB - kb0);
+        const size_t wrow = (size_t)n0 * KB + kb0;
+        f(s, L::QS, W.qs, wrow * T::QS_BYTES, (size_t)KB * T::QS_BYTES, rows, nkb * T::QS_BYTES);
+        f(s + L::O_D, L::D, W.d, wrow * SC, (size_t)KB * SC, rows, nkb * SC);
+        if constexpr (T::QH) f(s + L::O_H, L::H, W.qh, wrow * 4, (size_t)KB * 4, rows, nkb * 4);
+        f(s + L::O_A, L::A, aq, (size_t)kb0 * QK, (size_t)K, M, nkb * QK);
+        f(s + O_S, L::S, ads, (size_t)kb0 * 4, (size_t)KB * 4, M, nkb * 4);
+    };
+#ifdef SKINNY_BULK  // Hopper: warp 0 hands each run to the copy engine; stage c's buffer completes on bars[c % stages]
+    __shared__ __align__(8) unsigned long long bars[4];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; ++i) mbar_init(bars + i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the copy engine
+    }
+    __syncthreads();
+    auto load = [&](int c) {  // by warp 0
+        unsigned long long* bar = bars + c % stages;
+        unsigned bytes = 0;
+        for_planes(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
+            bytes += bulk_runs(d, st, p, o, rb, n, b, bar, false);
+        });
+        bytes = __reduce_add_sync(0xffffffffu, bytes);
+        if (lane == 0) mbar_expect(bar, bytes);
+        __syncwarp();
+        for_planes(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
+            bulk_runs(d, st, p, o, rb, n, b, bar, true);
+        });
+    };
+    if (warp == 0)
+        for (int c = 0; c < stages - 1 && c < chunks; ++c) load(c);
+#else  // cp.async: every thread its share of the chunks
+    auto load = [&](int c) { for_planes(c, stage_runs); };
+    for (int c = 0; c < stages - 1; ++c) {
+        if (c < chunks) load(c);
+        cp_async_commit();
+    }
+#endif
+
     float acc[4] = {};
-    for (int kb0 = warp; kb0 < KB; kb0 += 8 * U) {
-        int a[U][4], b[U][2];
-        Scale dA[U], dB[U];
-        __half2 s0[U], s1[U];
+    for (int c = 0; c < chunks; ++c) {
+#ifdef SKINNY_BULK
+        if (warp == 0 && c + stages - 1 < chunks) load(c + stages - 1);  // into the buffer freed at the end of c - 1
+        mbar_wait(bars + c % stages, (c / stages) & 1);
+#else
+        if (c + stages - 1 < chunks) load(c + stages - 1);
+        cp_async_commit();
+        cp_async_wait_stages(stages);
+        __syncthreads();
+#endif
+        const u8* s = buf + (c % stages) * STAGE;
+        const int nkb = min(SKINNY_KB, KB - (c0 + c) * SKINNY_KB);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + 8 * u;
-            const bool in = kb < KB;
-            a[u][0] = a[u][1] = a[u][2] = a[u][3] = b[u][0] = b[u][1] = 0;
-            const unsigned hA = T::QH && in && okA ? W.qh[rA + kb] : 0u, hB = T::QH && in && okB ? W.qh[rB + kb] : 0u;
-            if (in && okA) weight_fragment<T>(W.qs + (rA + kb) * T::QS_BYTES, hA, t, &a[u][0], &a[u][2]);
-            if (in && okB) weight_fragment<T>(W.qs + (rB + kb) * T::QS_BYTES, hB, t, &a[u][1], &a[u][3]);
-            dA[u] = in && okA ? W.d[rA + kb] : Scale();
-            dB[u] = in && okB ? W.d[rB + kb] : Scale();
-            if (in && okG) {
-                b[u][0] = *reinterpret_cast<const int*>(act + (size_t)kb * QK);
-                b[u][1] = *reinterpret_cast<const int*>(act + (size_t)kb * QK + 16);
+        for (int j = 0; j < SKINNY_KB / 8; ++j) {
+            const int kb = warp + 8 * j;
+            if (kb >= nkb) break;
+            int a[4], b[2] = {0, 0};
+            const unsigned qA = T::QH ? *reinterpret_cast<const unsigned*>(s + L::O_H + g * L::H + hA + 4 * kb) : 0u;
+            const unsigned qB = T::QH ? *reinterpret_cast<const unsigned*>(s + L::O_H + (g + 8) * L::H + hB + 4 * kb)
+                                      : 0u;
+            weight_fragment<T>(s + g * L::QS + kb * T::QS_BYTES, qA, t, &a[0], &a[2]);
+            weight_fragment<T>(s + (g + 8) * L::QS + kb * T::QS_BYTES, qB, t, &a[1], &a[3]);
+            const Scale wA = *reinterpret_cast<const Scale*>(s + L::O_D + g * L::D + dA + SC * kb);
+            const Scale wB = *reinterpret_cast<const Scale*>(s + L::O_D + (g + 8) * L::D + dB + SC * kb);
+            if (okG) {
+                const u8* ar = s + L::O_A + g * L::A + kb * QK + 4 * t;
+                b[0] = *reinterpret_cast<const int*>(ar);
+                b[1] = *reinterpret_cast<const int*>(ar + 16);
             }
-            s0[u] = in && ok0 ? ads[(size_t)m0 * KB + kb] : __half2();
-            s1[u] = in && ok1 ? ads[(size_t)m1 * KB + kb] : __half2();
+            const __half2 sa0 = ok0 ? *reinterpret_cast<const __half2*>(s + O_S + m0 * L::S + s0off + 4 * kb)
+                                    : __half2();
+            const __half2 sa1 = ok1 ? *reinterpret_cast<const __half2*>(s + O_S + m1 * L::S + s1off + 4 * kb)
+                                    : __half2();
+            int d[4];
+            mma_s8_const<MAGIC_I>(d, a, b);
+            // d0: (weight row n0+g, act m0), d1: (n0+g, m1), d2: (n0+g+8, m0), d3: (n0+g+8, m1)
+            acc[0] += split_epilogue<T>(wA, magic_to_float(d[0]), sa0);
+            acc[1] += split_epilogue<T>(wA, magic_to_float(d[1]), sa1);
+            acc[2] += split_epilogue<T>(wB, magic_to_float(d[2]), sa0);
+            acc[3] += split_epilogue<T>(wB, magic_to_float(d[3]), sa1);
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int c[4];
-            mma_s8_const<MAGIC_I>(c, a[u], b[u]);
-            // c0: (weight row nA, act m0), c1: (nA, m1), c2: (nB, m0), c3: (nB, m1)
-            acc[0] += split_epilogue<T>(dA[u], magic_to_float(c[0]), s0[u]);
-            acc[1] += split_epilogue<T>(dA[u], magic_to_float(c[1]), s1[u]);
-            acc[2] += split_epilogue<T>(dB[u], magic_to_float(c[2]), s0[u]);
-            acc[3] += split_epilogue<T>(dB[u], magic_to_float(c[3]), s1[u]);
-        }
+        __syncthreads();  // the buffer is loaded again next
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) red[warp][e][lane] = acc[e];
@@ -632,8 +754,11 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) sum += red[w][warp][lane];
-        const int n = (warp < 2) ? nA : nB, m = 2 * t + (warp & 1);
-        if (n < N && m < M) Y[(size_t)m * N + n] = sum;
+        const int n = n0 + g + ((warp < 2) ? 0 : 8), m = 2 * t + (warp & 1);
+        if (n < N && m < M) {
+            if (gridDim.y > 1) atomicAdd(Y + (size_t)m * N + n, sum);
+            else Y[(size_t)m * N + n] = sum;
+        }
     }
 }
 
@@ -645,8 +770,10 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         skinny1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y, \
-                    int M, int N, int K) {                                                                      \
-        skinny<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                             \
+                    int M, int N, int K, int chunks_per_split, int stages) {                                    \
+        extern __shared__ __align__(128) char smem[];                                                           \
+        skinny<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K, chunks_per_split, stages,    \
+                  reinterpret_cast<u8*>(smem));                                                                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv_rows_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads,       \

@@ -24,12 +24,16 @@ from kernels.cuda.launch import (
     MMQ_SMEM_MIN,
     MMQ_THREADS,
     MMQ_WGMMA_SMEM,
+    SKINNY_ROWS,
     cdiv,
     mmq_splits,
     mmq_tiles,
+    skinny_chunks,
+    skinny_stage,
+    skinny_stages,
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
-from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QUANT_TYPES, format_of
+from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
 from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
 
@@ -164,7 +168,8 @@ class Mmq(CudaKernel):
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Gemv(CudaKernel):
     """M <= 8 on the split layout: M = 1 a warp per weight row (dp4a), launched dependent on its quantize kernel
-    (pdl.py); 2..8 the skinny int8 MMA, or (`rows_reuse`) the M = 1 stream with each weight block reused for
+    (pdl.py); 2..8 the skinny int8 MMA (fast.cu's skinny: K staged through shared memory, split over blocks when
+    the 16-row blocks leave SMs idle), or (`rows_reuse`) the M = 1 stream with each weight block reused for
     every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count."""
 
     rows_reuse: bool = False
@@ -183,8 +188,18 @@ class Gemv(CudaKernel):
                        (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
         elif grouped or self.rows_reuse:  # grouped formats reuse each decoded sub-block for every row already
             mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
-        else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA
-            mods.function(self.source, f"skinny1_{t}")((cdiv(n, 16),), (256,), (*planes, *rows))
+        else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA, staged through shared memory
+            blocks = n * (k // QK)
+            stage = skinny_stage(w["qs"].nbytes // blocks, w["d"].nbytes // blocks, "qh" in w, m)
+            stages = skinny_stages(stage)
+            per, splits = skinny_chunks(mods.sm_count, n, k)
+            if splits > 1:
+                y.fill(0)
+            fn = mods.function(self.source, f"skinny1_{t}")
+            if fn.max_dynamic_shared_size_bytes < stages * stage:
+                fn.max_dynamic_shared_size_bytes = stages * stage  # over the 48 KiB default
+            fn((cdiv(n, SKINNY_ROWS), splits), (256,), (*planes, *rows, I32(per), I32(stages)),
+               shared_mem=stages * stage)
 
 
 # ---- bitsandbytes' NF4 / FP4 (bnb4.cu) --------------------------------------------------------------
@@ -314,7 +329,9 @@ register(Gemv(
     max_m=8, weight_types=QUANT_TYPES, auto_rank=0,
     description="M <= 8 on the split weight layout: M = 1 a warp per weight row streaming 16-byte loads with several "
                 "in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
-                "rows x 8 activation rows) with K split across the block's warps"))
+                "rows x 8 activation rows), K staged through shared memory 64 quant blocks at a time (bulk copies on "
+                "sm_90+, cp.async otherwise) and split across the block's warps, and across blocks when the rows "
+                "leave SMs idle"))
 register(Gemv(
     name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT,
     min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,

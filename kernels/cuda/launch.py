@@ -38,6 +38,31 @@ def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
     return max(1, min(stages, (MMQ_BLOCKS_PER_SM * sm_count) // tiles)) if tiles < sm_count else 1
 
 
+SKINNY_KB, SKINNY_ROWS = 64, 16  # as fast.cu: quant blocks a stage, weight rows a block
+SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
+
+
+def skinny_stage(qs_bytes: int, scale_bytes: int, fifth_bits: bool, m: int) -> int:
+    """SkinnySmem<T>::stage(M): 16 weight rows' runs of quants, scales (and fifth bits), M activation rows' runs
+    of int8 and (d, s), each shared row padded as fast.cu says."""
+    qs, d, h = SKINNY_KB * qs_bytes + 16, SKINNY_KB * scale_bytes + 48, SKINNY_KB * 4 + 48 if fifth_bits else 0
+    return SKINNY_ROWS * (qs + d + h) + m * (SKINNY_KB * QK + 16 + SKINNY_KB * 4 + 48)
+
+
+def skinny_stages(stage: int) -> int:
+    """Stage buffers of the skinny kernel: as many as SKINNY_SMEM holds, 2 to 4."""
+    return max(2, min(4, SKINNY_SMEM // stage))
+
+
+def skinny_chunks(sm_count: int, n: int, k: int) -> tuple[int, int]:
+    """(stages a split, splits) of the skinny kernel: K split over as many blocks as keep two an SM busy when
+    the row blocks alone leave SMs idle."""
+    blocks, stages = cdiv(n, SKINNY_ROWS), cdiv(k // QK, SKINNY_KB)
+    splits = max(1, min(stages, (2 * sm_count) // blocks)) if blocks < sm_count else 1
+    per = cdiv(stages, splits)
+    return per, cdiv(stages, per)
+
+
 # The mmq-layout quantizers (q8_1.cu): (rows, quant blocks) a warp takes
 QUANTIZE_MMQ_WARP = {"quantize_q8_1_mmq": (4, 1), "quantize_q8_1_mmq2": (4, 2), "quantize_q8_1_mmq4": (4, 4),
                      "quantize_q8_1_mmq_pair": (8, 2)}

@@ -79,7 +79,7 @@ class SplitPlanes(WeightLayout):
         planes = {"qs": qs.reshape(-1), "d": head.reshape(-1)}
         if qh is not None:
             planes["qh"] = qh.reshape(-1).view(np.uint32)
-        return {name: cupy.asarray(a) for name, a in planes.items()}
+        return {name: _padded(a.shape, a.dtype, a) for name, a in planes.items()}
 
 
 class MmqTiles(WeightLayout):
@@ -179,6 +179,18 @@ def _format(type_name: str) -> Any:
     return fmt
 
 
+PLANE_SLACK = 16  # bytes readable past a plane's end: fast.cu's skinny copies runs in 16-byte chunks
+
+
+def _padded(shape: tuple[int, ...], dtype: Any, host: np.ndarray | None = None) -> Any:
+    """A device array with PLANE_SLACK bytes of allocation after it (filled from `host` when given)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    a = cupy.empty(nbytes + PLANE_SLACK, dtype=cupy.uint8)[:nbytes].view(dtype).reshape(shape)
+    if host is not None:
+        a.set(np.ascontiguousarray(host))
+    return a
+
+
 def _upload_bytes(raw: Any) -> Any:
     return cupy.asarray(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
 
@@ -263,7 +275,7 @@ class Q8_1Split(ActivationLayout):
     quantized = True
 
     def buffers(self, m: int, k: int) -> Any:
-        return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": cupy.empty((m, k // QK, 2), dtype=cupy.float16)}
+        return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": _padded((m, k // QK, 2), cupy.float16)}
 
     def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
         from kernels.cuda import pdl
