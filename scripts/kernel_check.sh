@@ -4,10 +4,12 @@
 # MUL_MAT (perf.sh, filtered to the formats and M touched) with `qgemm bench` in the same machine session.
 # Carry .whl, .carry and .parity (a copy of ../shared/ggml-parity).  ggml builds niced while the tests run.
 #   usage: scripts/kernel_check.sh "q4_0 q8_0" [MS for parity, 1,2,5,8] [perf's M list, 1|8] [bench's kernels]
-# Writes $OUT: gpu-tests.log, parity-4096.json, parity-14336.json, bench.json, perf.txt, device.txt, check.log.
+# STEP=tests (pytest and the build) or STEP=compare (parity, bench, perf) splits it over two calls of a warm machine
+# (a call runs 10 minutes at most).  Writes $OUT: gpu-tests.log, parity-4096.json, parity-14336.json, bench.json,
+# perf.txt, device.txt, check.log.
 set -uo pipefail
 types=${1:?usage: kernel_check.sh "TYPES" [MS] [PERF_M] [KERNELS]}; ms=${2:-1,2,5,8}; perf_m=${3:-1|8}
-kernels=${4:-gemv}
+kernels=${4:-gemv}; step=${STEP:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/check.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -17,10 +19,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 QGEMM_MODELS_DIR=$PWD/.carry
 python3 -m app.cli fetch --demo-only > /dev/null
 (nice -n 19 bash .parity/build.sh qcheck test-backend-ops > /tmp/build.log 2>&1; echo "build rc $?" >> /tmp/build.log) &
 build=$!
-timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/test_openapi_conformance.py \
-  --ignore=tests/test_ray_serve.py tests > "$OUT/gpu-tests.log" 2>&1
-echo "pytest -m gpu at ${SECONDS}s:"; tail -n 1 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log"
+if [ "$step" != compare ]; then
+  timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/test_openapi_conformance.py \
+    --ignore=tests/test_ray_serve.py tests > "$OUT/gpu-tests.log" 2>&1
+  echo "pytest -m gpu at ${SECONDS}s:"; tail -n 1 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log"
+fi
 wait $build; tail -n 1 /tmp/build.log; echo "built at ${SECONDS}s"
+[ "$step" = tests ] && exit 0
 for k in 4096 14336; do  # N = 512: 32 row blocks, so K is split over blocks at both K
   bash .parity/run.sh "/tmp/g$k" "$types" 512 "$k" "$ms" > /dev/null
   python3 -m tools.parity "/tmp/g$k" --k "$k" --json "$OUT/parity-$k.json" 2>&1 | grep -E "auto|gemv|held" | head -40
