@@ -16,7 +16,7 @@ tail -n 3 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log"
 # the service with default settings (only the models directory given, as QGEMM_MODELS_DIR above)
 python3 -m app.cli serve --port 8100 > "$OUT/serve.log" 2>&1 &
 server=$!
-t0=$SECONDS; for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/healthz > /dev/null && break; sleep 0.25; done
+t0=$SECONDS; for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/healthz | grep -q '"status":"ok"' && break; sleep 0.25; done
 echo "healthy after $((SECONDS - t0)) s"; head -n 8 "$OUT/serve.log"
 run() { python3 -m app.cli loadtest --url http://127.0.0.1:8100 "$@" 2>&1 | grep -v '^ *[0-9.]*/' | grep -v '^\[' ; }
 { run --m 1 --clients 1,64,256 --format npy --seconds 5 --out "$OUT/load-npy.json"

@@ -15,7 +15,7 @@ for side in A B; do
   envs=$a; [[ $side == B ]] && envs=$b
   env QGEMM_BACKEND=cuda $envs python3 -m app.cli serve --port 8100 > "$OUT/serve-$side.log" 2>&1 &
   server=$!
-  for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz > /dev/null && break; sleep 1; done
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz | grep -q '"status":"ok"' && break; sleep 1; done
   echo "== $side: $envs"
   python3 -m app.cli loadtest --url http://127.0.0.1:8100 --label "$side" --out "$OUT/ab-$side.json" "$@" 2>&1 \
     | grep -E "req/s|^M="

@@ -13,7 +13,7 @@ for side in old new old new old new new old; do
   i=$((i+1)); d=$root; [[ $side == old ]] && d=$old
   (cd "$d" && PYTHONPATH=/tmp/site:$d QGEMM_BACKEND=cuda QGEMM_WORKERS=${W:-1} \
      python3 -m app.cli serve --port 8100 > "/tmp/serve-$i.log" 2>&1) &
-  for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz > /dev/null && break; sleep 1; done
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz | grep -q '"status":"ok"' && break; sleep 1; done
   r=$(PYTHONPATH=/tmp/site:$root python3 -m app.cli loadtest --url http://127.0.0.1:8100 --tensor blk.0.attn_q.weight \
       --m 1 --clients 1,64 --format npy --seconds 5 --label "$side" --out "$OUT/abb-$i-$side.json" 2>&1 | grep -E "req/s" \
       | tr '\n' '|')

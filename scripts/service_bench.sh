@@ -13,7 +13,7 @@ python3 -m app.cli fetch --demo-only > /dev/null
 wait_us=100; [[ $mode == off ]] && wait_us=0
 QGEMM_BACKEND=cuda QGEMM_BATCH_WAIT_US=$wait_us python3 -m app.cli serve --port 8100 > "$OUT/serve-$mode.log" 2>&1 &
 server=$!
-for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz > /dev/null && break; sleep 1; done
+for _ in $(seq 120); do curl -sf http://127.0.0.1:8100/healthz | grep -q '"status":"ok"' && break; sleep 1; done
 curl -s http://127.0.0.1:8100/healthz; echo
 run() { python3 -m app.cli loadtest --url http://127.0.0.1:8100 --seconds "$secs" --label "batching-$mode" "$@"; }
 {

@@ -49,12 +49,14 @@ def serving(models_dir: Path, log: Path, **env: str) -> Iterator[str]:
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
+        for _ in range(300):  # ready: /healthz says ok (`degraded` while the engine process starts)
             try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                r = httpx.get(f"{base}/healthz", timeout=1)
+                if r.status_code == 200 and r.json()["status"] == "ok":
                     break
             except httpx.HTTPError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         else:
             pytest.fail(f"qgemm serve did not come up in 30 s: {log.read_text()[-2000:]}")
         yield base

@@ -84,10 +84,18 @@ class Tally:
     wrong_examples: list[str] = field(default_factory=list)
     rewrites: dict[str, int] = field(default_factory=dict)
     control: dict[str, int] = field(default_factory=dict)
+    errors_5xx: dict[str, int] = field(default_factory=dict)  # by the answer's error code: what each 5xx was
 
-    def status(self, what: str, status: int) -> None:
+    def status(self, what: str, status: int, body: bytes = b"") -> None:
         key = f"{what} {status}"
         self.statuses[key] = self.statuses.get(key, 0) + 1
+        if status >= 500:
+            try:
+                error = orjson.loads(body)["error"]
+                code = f"{error['code']}: {str(error['message'])[:70]}"
+            except Exception:
+                code = body[:80].decode(errors="replace") or "(no body)"
+            self.errors_5xx[f"{what} {code}"] = self.errors_5xx.get(f"{what} {code}", 0) + 1
 
 
 def _model_file(path: Path, qtype: GGMLQuantizationType, shape: tuple[int, int], seed: int) -> tuple[bytes, Weights]:
@@ -211,7 +219,7 @@ class Soak:
                 self.tally.reset_kinds[name] = self.tally.reset_kinds.get(name, 0) + 1
                 continue
             t1 = time.time()
-            self.tally.status("matmul", status)
+            self.tally.status("matmul", status, body)
             if status != 200:
                 continue
             if npy:
@@ -235,8 +243,8 @@ class Soak:
             req = request_bytes(method, f"{self.url}{path}", {"Content-Type": "application/json"} if method == "POST"
                                 else {})[2]
             try:
-                status, _, _ = await conn.send(req)
-                self.tally.status(path.rsplit("/", 1)[-1] if method == "POST" else f"GET {path}", status)
+                status, _, body = await conn.send(req)
+                self.tally.status(path.rsplit("/", 1)[-1] if method == "POST" else f"GET {path}", status, body)
             except Exception as exc:
                 conn.close()
                 self.tally.resets += 1
@@ -304,16 +312,20 @@ class Soak:
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({proc.returncode}): {self.log_path.read_text()[-2000:]}")
-            try:
+            try:  # ready: /healthz says ok (it answers `degraded` while the engine process starts)
                 with socket.create_connection((self.host, self.port), timeout=1) as s:
                     s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    if s.recv(64).startswith(b"HTTP/1.1 200"):
-                        return proc
-            except OSError:
+                    answer = b""
+                    while chunk := s.recv(65536):
+                        answer += chunk
+                head, _, body = answer.partition(b"\r\n\r\n")
+                if head.startswith(b"HTTP/1.1 200") and orjson.loads(body).get("status") == "ok":
+                    return proc
+            except (OSError, ValueError):
                 pass
             time.sleep(0.2)
         proc.kill()
-        raise RuntimeError("the server did not answer /healthz within 180 s")
+        raise RuntimeError("the server did not say ok on /healthz within 180 s")
 
     async def _run(self, pid: int) -> float:
         start = time.time()
@@ -342,7 +354,7 @@ class Soak:
         return {
             "plan": vars(self.plan), "wall_s": round(wall, 1), "server_alive": alive,
             "answers": dict(sorted(t.statuses.items())), "requests": sum(t.statuses.values()),
-            "5xx": fivexx, "resets": t.resets, "reset_kinds": t.reset_kinds,
+            "5xx": fivexx, "errors_5xx": t.errors_5xx, "resets": t.resets, "reset_kinds": t.reset_kinds,
             "products_checked": t.checked, "wrong_products": t.wrong, "wrong_examples": t.wrong_examples,
             "rewrites": t.rewrites,
             "rss_mib": {"start": round(rss[0] / mib, 1) if rss else None, "warm": round(warm / mib, 1),
