@@ -566,10 +566,10 @@ __device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __
 // 2 <= M <= 8: a skinny tensor-core product.  One MMA m16n8k32 takes 16 weight rows as A and 8
 // activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
 // 4-byte activation fragment loads bind the LSU).  A block of 8 warps takes 16 weight rows; K moves through
-// shared memory SKINNY_KB quant blocks at a time (2-4 buffers, cp.async): each stage's runs of
-// the 16 rows' quants, scales and fifth bits and of the M activation rows and their (d, s), copied in
-// 16-byte chunks, then each warp takes every 8th block of the stage and the warps add in shared memory at
-// the end.  (Fragments straight from global memory, 4 bytes of 8 rows per load, bound the L1: at K = 14336,
+// shared memory SKINNY_KB quant blocks at a time (2-4 buffers): each stage holds the runs of the 16 rows'
+// quants, scales and fifth bits and of the M activation rows and their (d, s), one bulk copy a run on Hopper
+// (cp.async in 16-byte chunks elsewhere: 5-12% slower there at K = 14336); each warp takes every 8th block of
+// the stage, and the warps add in shared memory at the end.  (Fragments straight from global memory, 4 bytes of 8 rows per load, bound the L1: at K = 14336,
 // M = 8 Q5_0 took 90 us, 5x its M = 1 time.)  A nibble format's packed bytes 4t..4t+3 hold k = 4t..
 // (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split layout
 // is read as it is, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).
@@ -647,7 +647,7 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
                        float* __restrict__ Y, int M, int N, int K, int chunks_per_split, int stages, u8* buf) {
     using Scale = typename T::Scale;
     using L = SkinnySmem<T>;
-    constexpr int SC = L::SC, CH_D = (SKINNY_KB * SC + 15) / 16 + 1, CH_S = (SKINNY_KB * 4 + 15) / 16 + 1;
+    constexpr int SC = L::SC;
     __shared__ float red[8][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16, KB = K / QK, rows = min(16, N - n0);

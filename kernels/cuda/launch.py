@@ -55,12 +55,12 @@ def skinny_stages(stage: int) -> int:
 
 
 def skinny_chunks(sm_count: int, n: int, k: int) -> tuple[int, int]:
-    """(stages a split, splits) of the skinny kernel: K split over as many blocks as keep two an SM busy when
-    the row blocks alone leave SMs idle."""
-    blocks, stages = cdiv(n, SKINNY_ROWS), cdiv(k // QK, SKINNY_KB)
-    splits = max(1, min(stages, (2 * sm_count) // blocks)) if blocks < sm_count else 1
-    per = cdiv(stages, splits)
-    return per, cdiv(stages, per)
+    """(chunks of SKINNY_KB quant blocks a split, splits) of the skinny kernel: K split over as many blocks as keep
+    two an SM busy when the row blocks alone leave SMs idle."""
+    blocks, chunks = cdiv(n, SKINNY_ROWS), cdiv(k // QK, SKINNY_KB)
+    splits = max(1, min(chunks, (2 * sm_count) // blocks)) if blocks < sm_count else 1
+    per = cdiv(chunks, splits)
+    return per, cdiv(chunks, per)
 
 
 # The mmq-layout quantizers (q8_1.cu): (rows, quant blocks) a warp takes
