@@ -18,6 +18,24 @@ def test_healthz(client: TestClient) -> None:
     assert r.json()["status"] == "ok" and r.json()["backend"] == "cpu"
 
 
+def test_readyz_is_healthz_with_the_status_it_means(client: TestClient) -> None:
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["version"]
+
+
+def test_readyz_answers_503_while_degraded_and_healthz_200(client: TestClient, monkeypatch) -> None:
+    service = client.app.state.service
+    healthy = service.health
+
+    async def degraded() -> dict:
+        return {**await healthy(), "status": "degraded"}
+
+    monkeypatch.setattr(service, "health", degraded)
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "not_ready"
+    assert client.get("/healthz").status_code == 200  # liveness: the process is up
+
+
 def test_list_models_has_both_real_models_and_the_broken_ones(client: TestClient) -> None:
     models = {m["id"]: m for m in client.get("/v1/models").json()["models"]}
     assert models["demo"]["status"] == "ok" and models["demo"]["architecture"] == "qgemm-demo"

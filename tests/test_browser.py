@@ -49,10 +49,9 @@ def serving(models_dir: Path, log: Path, **env: str) -> Iterator[str]:
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):  # ready: /healthz says ok (`degraded` while the engine process starts)
+        for _ in range(300):  # ready: /readyz answers 200 (503 while the engine process starts)
             try:
-                r = httpx.get(f"{base}/healthz", timeout=1)
-                if r.status_code == 200 and r.json()["status"] == "ok":
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -207,11 +207,15 @@ def test_a_killed_engine_fails_waiting_requests_at_once_and_comes_back(server: S
         seen["status"], seen["retry"], seen["took"] = r.status_code, r.headers.get("retry-after"), \
             time.monotonic() - t0
         seen["health"] = server.health()["status"]
+        ready = httpx.get(f"{server.url}/readyz", timeout=5)
+        seen["ready"] = (ready.json().get("status", ready.json().get("error", {}).get("code")), ready.status_code,
+                         ready.headers.get("retry-after"))
 
     counts = _load(server, 4.0, 6, kill)
     assert not [k for k in counts if isinstance(k, str)], counts  # no request hung up or reset
     assert seen["took"] < 1.0 and (seen["status"], seen["retry"]) in ((503, "1"), (200, None)), seen
     assert counts[503] == counts[("retry-after", "1")] and seen["health"] in ("degraded", "ok")
+    assert seen["ready"] in (("not_ready", 503, "1"), ("ok", 200, None)), seen  # /readyz: 503 while degraded
     assert server.wait_ok(30) < 30
     assert server.pids("engine")[0] != engine
     r = server.post(np.ones((1, K), np.float32))
