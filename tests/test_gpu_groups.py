@@ -75,3 +75,17 @@ def test_grouped_mmq_several_waves(backend, rng: np.random.Generator, monkeypatc
     for m, n, k in ((300, 257, 768), (70, 129, 4352)):
         raw = groups.random_blocks(type_name, n, k, rng)
         check_kernel(backend, KERNELS["mmq"], type_name, raw, rng.standard_normal((m, k)), key=f"waves {m}")
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("type_name", GROUPED_TYPES)
+def test_gemv_m1_every_split(backend, rng: np.random.Generator, monkeypatch, type_name: str, split: int) -> None:  # noqa: F811
+    """gemv's M = 1 kernel with K over 1, 2 or 4 warps a row (fast.cu gemv1_<type>_s<S>, whichever GROUPS_SPLIT
+    picks): N not a multiple of the rows a block takes, K of 1 to 17 super-blocks (lanes without sub-blocks)."""
+    from kernels.cuda import launch
+
+    monkeypatch.setitem(launch.GROUPS_SPLIT, type_name, split)
+    for n, k in ((3, 256), (257, 4352), (130, 1280)):
+        raw = groups.random_blocks(type_name, n, k, rng, rng.uniform(0.005, 0.05))
+        check_kernel(backend, KERNELS["gemv"], type_name, raw, rng.standard_normal((1, k)) * 3,
+                     key=f"split {split} {n} {k}")

@@ -136,6 +136,11 @@ struct Q5_1 {
 // 4 fifth bits (bit i: value i of a 4-value word) as bit 4 of each byte: one multiply moves bit i to bit 4 + 8i
 // (the four shifted copies of the 4 bits, at bits 4-7, 11-14, 18-21 and 25-28, never overlap, so nothing carries)
 __device__ __forceinline__ int fifth_bits(unsigned h) { return int(((h & 0xFu) * 0x02040810u) & 0x10101010u); }
+// Each byte x of v minus B, as int8 bytes, for bytes x < 128 + B (B <= 128): x + 128 - B never carries into the
+// next byte, and flipping bit 7 takes 128 back off.  Two instructions where __vsubss4 is about ten on sm_90
+// (emulated); exact wherever the saturation it also does would not apply.
+template <unsigned B>
+__device__ __forceinline__ int bytes_minus(unsigned v) { return int((v + (128u - B) * 0x01010101u) ^ 0x80808080u); }
 // Packed word v of a block's quants (bytes 4i..4i+3) to the value words of values 4i.. (lo) and 16+4i.. (hi):
 // nibbles widened to bytes, with their fifth bits from qh; int8 quants are two words as they are.
 template <typename T>

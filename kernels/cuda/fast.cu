@@ -791,23 +791,27 @@ QGEMM_FOR_FAST_TYPES(FAST)
 // sub-blocks (their loads all in flight), then computes them.  H100, M = 1, K = 14336: U = 1 streamed at
 // 25-60% of the copy bandwidth, U = 4 took IQ4_NL 23.2 -> 15.8 us, Q4_K 18.0 -> 13.0, Q3_K 29.7 -> 20.4 but
 // Q2_K, Q5_K, Q6_K 20-50% slower, and every format at M = 8 (registers): so M = 1 takes the format's
-// LOOKAHEAD, M > 1 one sub-block at a time.
-template <typename T, int MT, int U>
+// LOOKAHEAD, M > 1 one sub-block at a time.  With S > 1 a row's K is split over S warps (warp part p takes
+// every S-th run of 32 sub-blocks) whose sums add in shared memory, in part order.
+template <typename T, int MT, int U, int S>
 __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                             float* __restrict__ Y, int M, int N, int K) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, part = warp % S;
+    const int n = blockIdx.x * (blockDim.x / WARP / S) + warp / S;
+    __shared__ float parts[S > 1 ? 8 : 1][MT];
     let_dependents_launch();
-    if (n >= N) return;
-    const int KB = K / QK;
+    if constexpr (S == 1) {
+        if (n >= N) return;
+    }
+    const int KB = S == 1 || n < N ? K / QK : 0;  // (S > 1) rows past N compute nothing but meet the barrier
     float acc[MT] = {};
     bool waited = false;
-    for (int kb0 = lane; kb0 < KB; kb0 += WARP * U) {
+    for (int kb0 = part * WARP + lane; kb0 < KB; kb0 += WARP * U * S) {
         int w[U][8];
         float sc[U][2], cf[U][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARP;
+            const int kb = kb0 + u * WARP * S;
             if (kb < KB) {
                 const size_t c = (size_t)n * KB + kb;
                 T::decode(P, c / T::SUBS, int(c % T::SUBS), w[u], sc[u], cf[u]);
@@ -819,7 +823,7 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARP;
+            const int kb = kb0 + u * WARP * S;
             if (kb >= KB) break;
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -851,19 +855,39 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const float sum = warp_sum(acc[i]);
-        if (lane == 0 && i < M) Y[(size_t)i * N + n] = sum;
+        if constexpr (S == 1) {
+            if (lane == 0 && i < M && KB) Y[(size_t)i * N + n] = sum;
+        } else if (lane == 0) {
+            parts[warp][i] = sum;
+        }
+    }
+    if constexpr (S > 1) {  // the row's S parts of K, added in part order
+        __syncthreads();
+        if (part == 0 && lane < MT && lane < M && KB) {
+            float sum = parts[warp][lane];
+#pragma unroll
+            for (int p = 1; p < S; ++p) sum += parts[warp + p][lane];
+            Y[(size_t)lane * N + n] = sum;
+        }
     }
 }
 
+// gemv1_<type>_s<S>: M = 1 with a weight row's K split over S warps (launch.py GROUPS_SPLIT picks S per format:
+// one warp a row gives 4096 rows about 31 warps an SM, too few loads in flight for some decoders).  4096 rows at
+// S = 1 are one wave while 4 blocks fit an SM (64 registers); Q3_K takes 76 unbounded, so its MIN_BLOCKS is 4 (22.0
+// -> 14.7 us at K = 14336).  The bound also steers ptxas's schedule: IQ4_XS is 5% slower under it, Q2_K at S = 2
+// streams at 51% of copy bandwidth with it and 44% without, Q5_K at S = 4 at 70% without and 62% with (H100).
+#define GEMV1_GROUPS(t, T, S, BOUNDS)                                                                           \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                         \
+        gemv1_##t##_s##S(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,    \
+                         const __half2* ads, float* Y, int N, int K) {                                          \
+        gemv_groups<T, 1, T::LOOKAHEAD, S>({p0, p1, p2, p3, p4}, aq, ads, Y, 1, N, K);                          \
+    }
 #define GEMV_GROUPS(t, T)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                                           \
-        gemv1_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,           \
-                  const __half2* ads, float* Y, int N, int K) {                                                 \
-        gemv_groups<T, 1, T::LOOKAHEAD>({p0, p1, p2, p3, p4}, aq, ads, Y, 1, N, K);                                          \
-    }                                                                                                           \
+    GEMV1_GROUPS(t, T, 1, (256, T::MIN_BLOCKS)) GEMV1_GROUPS(t, T, 2, (256, 4)) GEMV1_GROUPS(t, T, 4, (256))    \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv_rows_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,       \
                       const __half2* ads, float* Y, int M, int N, int K) {                                      \
-        gemv_groups<T, 8, 1>({p0, p1, p2, p3, p4}, aq, ads, Y, M, N, K);                                          \
+        gemv_groups<T, 8, 1, 1>({p0, p1, p2, p3, p4}, aq, ads, Y, M, N, K);                                     \
     }
 QGEMM_FOR_GROUPED_TYPES(GEMV_GROUPS)

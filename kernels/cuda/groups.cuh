@@ -5,7 +5,8 @@
 //   w[8]   the 32 values as int8 words, value 4i + b in byte b of w[i] (they pair with Q8_1 words in order);
 //   sc[2]  MMVQ's weight scale of values 0..15 and 16..31 (G16) or of all 32 (sc[0]);
 //   cf[2]  (MIN) the factor of d_a * Σq_a over the same values: -dmin * m.
-// LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes before computing them (fast.cu, measured).
+// LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes before computing them; MIN_BLOCKS: that kernel's
+// __launch_bounds__ blocks an SM, 0 for none (fast.cu gemv1_<type>_s1; both measured on the H100).
 // All are exact products of the block's fields, as llama.cpp's vec_dot_*_q8_1 forms them.
 #pragma once
 #include "common.cuh"
@@ -58,6 +59,7 @@ template <bool FIFTH>
 struct QK_45 {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = FIFTH ? 1 : 4;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = true;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8];
@@ -84,6 +86,7 @@ using Q5_K = QK_45<true>;
 struct Q2_K {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = 1;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = true, MIN = true;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8];
@@ -105,6 +108,7 @@ struct Q2_K {
 struct Q3_K {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = 4;
+    static constexpr int MIN_BLOCKS = 4;
     static constexpr bool G16 = true, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         int r[8], h[8];
@@ -113,7 +117,7 @@ struct Q3_K {
         const int sh = 2 * (j & 3), hs = j;  // 4n + jj == j
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            w[i] = __vsubss4(((r[i] >> sh) & 0x03030303) | (((h[i] >> hs) & 0x01010101) << 2), 0x04040404);
+            w[i] = bytes_minus<4>(((r[i] >> sh) & 0x03030303) | (((h[i] >> hs) & 0x01010101) << 2));
         const float d = ldg_half(P.p3 + 2 * s);
         const u8* q = P.p2 + s * 12;
 #pragma unroll
@@ -128,7 +132,8 @@ struct Q3_K {
 // Planes: p0 ql [128], p1 qh [64], p2 scales [16] int8, p3 d
 struct Q6_K {
     static constexpr int SUBS = 8;
-    static constexpr int LOOKAHEAD = 1;
+    static constexpr int LOOKAHEAD = 2;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = true, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         const int n = j >> 2, quarter = j & 3;  // values 128n + 32 quarter + l
@@ -138,7 +143,7 @@ struct Q6_K {
         const int nsh = 4 * (quarter >> 1), hsh = 2 * quarter;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            w[i] = __vsubss4(((r[i] >> nsh) & 0x0F0F0F0F) | (((h[i] >> hsh) & 0x03030303) << 4), 0x20202020);
+            w[i] = bytes_minus<32>(((r[i] >> nsh) & 0x0F0F0F0F) | (((h[i] >> hsh) & 0x03030303) << 4));
         const float d = ldg_half(P.p3 + 2 * s);
         sc[0] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j)));
         sc[1] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j + 1)));
@@ -149,6 +154,7 @@ struct Q6_K {
 struct IQ4_NL {
     static constexpr int SUBS = 1;
     static constexpr int LOOKAHEAD = 4;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
         nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 16, w);
@@ -160,6 +166,7 @@ struct IQ4_NL {
 struct IQ4_XS {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = 4;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float*) {
         nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 128 + 16 * j, w);
@@ -176,6 +183,7 @@ __device__ __forceinline__ float e8m0_to_float(unsigned e) { return __uint_as_fl
 struct MXFP4 {
     static constexpr int SUBS = 1;
     static constexpr int LOOKAHEAD = 4;
+    static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
         nibble_table_words<MXFP4_TABLE>(P.p0 + s * 16, w);

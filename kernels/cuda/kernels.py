@@ -26,6 +26,7 @@ from kernels.cuda.launch import (
     MMQ_WGMMA_SMEM,
     SKINNY_ROWS,
     cdiv,
+    groups_split,
     mmq_splits,
     mmq_tiles,
     skinny_chunks,
@@ -184,7 +185,9 @@ class Gemv(CudaKernel):
             planes = (w["qs"], w["d"], w.get("qh", w["qs"]))
         rows = (acts["qs"], acts["ds"], y, I32(m), I32(n), I32(k))
         if m == 1 and (grouped or not self.rows_reuse):  # it may start during the quantize kernel (pdl.py)
-            pdl.launch(mods.function(self.source, f"gemv1_{t}"), (cdiv(n, 8),), (256,),
+            split = groups_split(type_name) if grouped else 1
+            name = f"gemv1_{t}_s{split}" if grouped else f"gemv1_{t}"
+            pdl.launch(mods.function(self.source, name), (cdiv(n, 8 // split),), (256,),
                        (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
         elif grouped or self.rows_reuse:  # grouped formats reuse each decoded sub-block for every row already
             mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
@@ -328,7 +331,8 @@ register(Gemv(
     name="gemv", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT, min_cc=80,
     max_m=8, weight_types=QUANT_TYPES, auto_rank=0,
     description="M <= 8 on the split weight layout: M = 1 a warp per weight row streaming 16-byte loads with several "
-                "in flight (dp4a), started during the quantize kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
+                "in flight (dp4a; Q2_K and Q5_K split a row's K over 2 and 4 warps), started during the quantize "
+                "kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
                 "rows x 8 activation rows), K staged through shared memory 64 quant blocks at a time (bulk copies on "
                 "sm_90+, cp.async otherwise) and split across the block's warps, and across blocks when the rows "
                 "leave SMs idle"))

@@ -38,6 +38,16 @@ def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
     return max(1, min(stages, (MMQ_BLOCKS_PER_SM * sm_count) // tiles)) if tiles < sm_count else 1
 
 
+# gemv's M = 1 kernel for the grouped formats (fast.cu gemv1_<type>_s<S>): warps a weight row's K is split over,
+# the fastest on the H100 (docs/reports/kernels-at-the-limit.md, third session); 1 for the others
+GROUPS_SPLIT = {"Q2_K": 2, "Q5_K": 4}
+
+
+def groups_split(type_name: str) -> int:
+    """S of gemv1_<type>_s<S>: a 256-thread block takes 8 / S weight rows."""
+    return GROUPS_SPLIT.get(type_name, 1)
+
+
 SKINNY_KB, SKINNY_ROWS = 64, 16  # as fast.cu: quant blocks a stage, weight rows a block
 SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
 
