@@ -89,14 +89,34 @@ def real_matrices() -> list[np.ndarray]:
     return [dequantize_weights(model.tensors[n].type_name, model.raw(n)) for n in names]
 
 
+def weight_families(rng: np.random.Generator, blocksize: int) -> list[np.ndarray]:
+    """The weights #42 names, each with all-zero blocks: Gaussian with outliers (1 in 500 values 20-200x), small
+    integers times a scale (dequantized Q4 weights: x / absmax lands on FP4's thresholds), grid values (each
+    block's values are NF4 or FP4 code values times the block's scale, +1 among them), and SmolLM2's first
+    block's projections where the model is here."""
+    n, k = 65, 4096
+    out = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2)).astype(np.float32)
+    idx = rng.choice(out.size, out.size // 500, replace=False)
+    out.reshape(-1)[idx] *= rng.uniform(20, 200, idx.size).astype(np.float32)
+    ints = (rng.integers(-8, 8, (n, k)) * np.float32(0.0123)).astype(np.float32)
+    grids = []
+    for code in (bnb4.NF4_CODE, bnb4.FP4_CODE):
+        scale = rng.uniform(0.001, 3, (n * k) // blocksize).astype(np.float32)
+        grid = (code[rng.integers(0, 16, n * k)] * np.repeat(scale, blocksize)).astype(np.float32)
+        grid.reshape(-1, blocksize)[:, 0] = scale
+        grids.append(grid.reshape(n, k))
+    mats = [out, ints, *grids, *real_matrices()]
+    for w in mats:
+        w[3, :blocksize] = 0  # a zero block (where the row holds one)
+        w[7, blocksize:3 * blocksize] = 0
+    return mats
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("blocksize", bnb4.BLOCKSIZES)
 def test_quantize_and_dequantize_equal_bitsandbytes(rng: np.random.Generator, quant_type: str, blocksize: int) -> None:
     torch, F = _bnb()
-    mats = [(rng.standard_normal((65, 4096)) * rng.uniform(0.01, 2)).astype(np.float32), *real_matrices()]
-    for w in mats:
-        w = w.copy()
-        w[3, :blocksize] = 0  # a zero block (where the row holds one)
+    for w in weight_families(rng, blocksize):
         qb, state = F.quantize_4bit(torch.from_numpy(w).cuda(), blocksize=blocksize, quant_type=quant_type)
         ours = bnb4.quantize_4bit(w, quant_type, blocksize)
         np.testing.assert_array_equal(qb.cpu().numpy().reshape(-1), ours.packed)
@@ -106,18 +126,20 @@ def test_quantize_and_dequantize_equal_bitsandbytes(rng: np.random.Generator, qu
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-@pytest.mark.parametrize("blocksize", [32, 64, 256])
+@pytest.mark.parametrize("blocksize", bnb4.BLOCKSIZES)
 def test_double_quantization_equals_bitsandbytes(rng: np.random.Generator, quant_type: str, blocksize: int) -> None:
+    """Everything bit for bit given bitsandbytes' offset, which is torch's float32 mean of the absmax values on
+    the device (its reduction order, not reproduced: up to 2 ulps from ours, docs/reports/kernels-at-the-limit.md)."""
     torch, F = _bnb()
     np.testing.assert_array_equal(F.create_dynamic_map().numpy().view(np.uint32), bnb4.DYNAMIC_CODE.view(np.uint32))
-    for w in [(rng.standard_normal((300, 2048)) * 0.02).astype(np.float32), *real_matrices()]:
+    for w in [(rng.standard_normal((300, 2048)) * 0.02).astype(np.float32), *weight_families(rng, blocksize)]:
         qb, state = F.quantize_4bit(torch.from_numpy(w).cuda(), blocksize=blocksize, quant_type=quant_type,
                                     compress_statistics=True)
         ours = bnb4.quantize_4bit(w, quant_type, blocksize, double_quant=True)
         np.testing.assert_array_equal(qb.cpu().numpy().reshape(-1), ours.packed)
         offset = np.float32(state.offset.item())
-        # torch's float32 mean may round differently from ours (exact, then rounded): an ulp at most
-        assert abs(int(offset.view(np.int32)) - int(ours.nested.offset.view(np.int32))) <= 1
+        # torch's float32 mean sums in its own order; ours is the exact mean, rounded
+        assert abs(int(offset.view(np.int32)) - int(ours.nested.offset.view(np.int32))) <= 2
         q, absmax2 = bnb4.quantize_blockwise((ours.absmax - offset).astype(np.float32))  # with bitsandbytes' offset
         np.testing.assert_array_equal(state.state2.absmax.cpu().numpy().view(np.uint32), absmax2.view(np.uint32))
         np.testing.assert_array_equal(state.absmax.cpu().numpy(), q)
