@@ -23,11 +23,13 @@ import httpx
 import numpy as np
 import pytest
 
+from app.settings import Settings
 from kernels.cpu import CpuBackend
 from kernels.registry import KERNELS
 from kernels.types import Weights
+from models.demo import ensure_demo
 from models.store import ModelStore
-from tests.conftest import CACHE_DIR
+from tests.conftest import CACHE_DIR, populate_models_dir
 
 TENSOR, K, N = "blk.0.attn_q.weight", 4096, 4096
 ROOT = Path(__file__).parents[1]
@@ -101,6 +103,16 @@ class Server:
 
 def _segments(port: int) -> list[str]:
     return [p.name for p in Path("/dev/shm").glob(f"qgemm-{port}-*")]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo (written where missing) beside broken files, and the fetched models where they are: these tests
+    serve only the demo, so they also run where SmolLM2 was not fetched (the GPU machine, whose calls cannot carry
+    its 98 MB; QGEMM_TEST_PROCESS_BACKEND=cuda)."""
+    real = Settings.from_env().models_dir
+    ensure_demo(real)
+    return populate_models_dir(tmp_path_factory.mktemp("models"), real)
 
 
 @pytest.fixture(scope="module")
