@@ -26,3 +26,7 @@ curl -s http://127.0.0.1:8100/metrics | grep -E "^qgemm_(batch_requests|batch_ro
 curl -s http://127.0.0.1:8100/healthz > "$OUT/healthz.json"
 kill -TERM $server; wait $server; echo "serve exited with $?"
 ls /dev/shm | grep -c qgemm
+# the process-fault tests (tests/test_processes.py) against the CUDA backend
+QGEMM_TEST_PROCESS_BACKEND=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_processes.py \
+  > "$OUT/processes.log" 2>&1
+echo "process-fault tests on cuda:"; tail -n 1 "$OUT/processes.log"; grep -E "^(FAILED|ERROR)" "$OUT/processes.log"
