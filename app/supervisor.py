@@ -6,7 +6,7 @@ writes X into its shared-memory arena and asks the engine over a Unix socket.  T
 the weights (one copy whatever the number of fronts) and the batching.  This process only supervises:
 
 - a front that dies is replaced within a poll (0.1 s) and its shared memory removed; only its in-flight requests
-  were lost;
+  were lost, and the connections the kernel handed its listening socket until the process was gone;
 - an engine that dies fails the requests waiting on it at once (503, Retry-After: the fronts see its socket close)
   and is started again; /healthz says `degraded` until it answers (weights are uploaded again on first use);
 - SIGTERM or SIGINT: the fronts stop taking connections and finish the requests they hold, then the engine stops;
