@@ -85,6 +85,33 @@ def test_side_by_side_takes_autos_kernel_and_round_trips(tmp_path) -> None:
     assert load_llama_cpp(path) == {("Q4_0", 14336, 1): 14.91, ("Q2_K", 4096, 8): 21.10}
 
 
+def test_side_by_side_update_replaces_only_the_shapes_measured_and_names_each_rows_session() -> None:
+    """`--update`: a later session's shapes replace the file's, the others keep their own session, a session no row
+    comes from any more goes, and the table says which session gave which rows."""
+    from tools.side_by_side import join, markdown, parse_perf, update
+
+    first = {"device": "GPU", "date": "2026-11-24", "copy_bandwidth_gbps": 3000.0,
+             "rows": [_bench_row("Q4_0", 14336, 1, "gemv", 13.6, "gemv"),
+                      _bench_row("Q2_K", 4096, 8, "gemv", 23.2, "gemv")]}
+    old = join(first, parse_perf(PERF))
+    del old["sessions"]  # a file written before rows named their session
+    for r in old["rows"]:
+        del r["session"]
+    later = {**first, "date": "2026-11-25", "copy_bandwidth_gbps": 3010.0,
+             "rows": [_bench_row("Q2_K", 4096, 8, "gemv", 19.0, "gemv")]}
+    doc = update(old, join(later, parse_perf(PERF), "2026-11-25T21:47Z"))
+    rows = {(r["type"], r["M"]): r for r in doc["rows"]}
+    assert rows[("Q4_0", 1)]["session"] == "2026-11-24" and rows[("Q4_0", 1)]["qgemm_us"] == 13.6
+    assert rows[("Q2_K", 8)]["session"] == "2026-11-25T21:47Z" and rows[("Q2_K", 8)]["qgemm_us"] == 19.0
+    assert list(doc["sessions"]) == ["2026-11-24", "2026-11-25T21:47Z"] and doc["date"] == "2026-11-25"
+    table = markdown(doc)
+    assert "2 machine sessions" in table and "- 2026-11-24 (3000 GB/s copy bandwidth): Q4_0 at M=1\n" in table
+    assert "- 2026-11-25T21:47Z (3010 GB/s copy bandwidth): Q2_K at M=8" in table
+    again = update(doc, join({**later, "rows": [_bench_row("Q4_0", 14336, 1, "gemv", 12.0, "gemv")]},
+                             parse_perf(PERF), "2026-11-25T21:47Z"))
+    assert list(again["sessions"]) == ["2026-11-25T21:47Z"] and "one machine session" in markdown(again)
+
+
 def test_bench_refuses_a_llama_cpp_file_it_cannot_read_before_any_gpu_work(tmp_path, capsys) -> None:
     from app.cli import main
 
