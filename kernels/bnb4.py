@@ -9,8 +9,9 @@ rounded reciprocal: for 12% of mantissas it is an ulp away.  On real weights (de
 integers times a scale) x / absmax often lands exactly on an FP4 threshold (5/24, 7/24, 11/128), where that
 ulp decides the code; `rcp_approx` reproduces the instruction from a table captured on the GPU.
 dequantize_4bit: code_table[q] * absmax in float32.  Double quantization (compress_statistics) stores
-absmax - mean(absmax) in 8 bits: blockwise (256) with the signed dynamic map and the binary search
-of dQuantize, its own float32 absmax per 256; decoded as code8[q] * absmax2 + offset.
+absmax - mean(absmax) in 8 bits (the mean as torch takes it on the GPU, in its order of float32 additions:
+`torch_mean_f32`): blockwise (256) with the signed dynamic map and the binary search of dQuantize, its own
+float32 absmax per 256; decoded as code8[q] * absmax2 + offset.
 gemv_4bit (kgemm_4bit_inference_naive): activations in their dtype T; the code table and absmax cast to
 T, w = T(code * absmax) and T(x * w) in T, summed in float32 (per lane, then a warp's butterflies),
 the result cast to T.  `gemv_4bit` below computes that in T = float16 or float32.
@@ -168,6 +169,68 @@ def _scaled(padded: np.ndarray, absmax: np.ndarray) -> np.ndarray:
         return _flush((_flush(padded) * rcp_approx(absmax)[:, None]).astype(F32))
 
 
+# bitsandbytes' double-quantization offset is `absmax.mean()` in torch on the GPU: ATen's reduce kernel for a
+# contiguous float32 vector, whose order of float32 additions is reproduced below.  Recovered from 77 means
+# captured on an NVIDIA H100 (torch 2.11, 2026-11-25: 13 vectors of 7 to 1,048,576 values and the absmax vectors of
+# bitsandbytes 0.50.2's double quantization), all equal bit for bit; the exact mean rounded was 1-2 ulps off in
+# half of them.  Above 131,072 values the kernel splits the vector over CTAs by the device's SM count.
+TORCH_SM_COUNT = 132  # the H100's, where the means were captured
+TORCH_MAX_THREADS = 512  # a reduce block's threads at most (ATen's MAX_NUM_THREADS for float)
+
+
+def _halving_sum(v: np.ndarray) -> np.ndarray:
+    """The block's tree over its last axis (a power of two): v[i] += v[i + half] until one is left."""
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = (v[..., :half] + v[..., half:]).astype(F32)
+    return v[..., 0]
+
+
+def torch_mean_f32(x: np.ndarray, sm_count: int = TORCH_SM_COUNT) -> np.float32:
+    """torch.mean of a contiguous float32 vector on a CUDA device with `sm_count` SMs, bit for bit: each thread
+    of a block adds its values in float32 (above 128 values: float4 loads, one accumulator a lane, vectors
+    block-strided, the odd tail on the first threads; else 4 accumulators over block-strided values), the
+    accumulators in order, the block's threads by a halving tree; long vectors over several CTAs whose partials the
+    last block adds the same way; then sum * float(1 / n)."""
+    x = np.asarray(x, F32).reshape(-1)
+    n = x.size
+    if n <= 128:
+        width = 1 << (n.bit_length() - 1)  # threads: the power of two at most n, so each has one or two values
+        acc = x[:width].copy()
+        acc[: n - width] = (acc[: n - width] + x[width:]).astype(F32)
+        total = _halving_sum(acc)
+    else:
+        vectors = n // 4
+        width = min(TORCH_MAX_THREADS, 1 << (vectors.bit_length() - 1))
+        per_thread = -(-n // width)
+        ctas = 1
+        if per_thread >= 256:  # split over CTAs: enough blocks for the SMs, 16 to 256 values a thread
+            ctas = max(min(sm_count * (2048 // width), -(-per_thread // 16)), -(-per_thread // 256))
+        step = width * ctas  # vectors between a thread's loads
+        rounds = -(-vectors // step)
+        padded = np.zeros(rounds * step * 4, F32)
+        padded[: vectors * 4] = x[: vectors * 4]
+        loads = padded.reshape(rounds, ctas, width, 4)
+        acc = np.zeros((ctas, width, 4), F32)  # from +0.0, so the padding's zeros change nothing
+        for r in range(rounds):
+            acc = (acc + loads[r]).astype(F32)
+        tail = x[vectors * 4:]
+        acc[0, : tail.size, 0] = (acc[0, : tail.size, 0] + tail).astype(F32)
+        lanes = acc[..., 0]
+        for i in range(1, 4):
+            lanes = (lanes + acc[..., i]).astype(F32)
+        partials = _halving_sum(lanes)  # [ctas]
+        if ctas > 1:  # the last block: thread t adds partials t, t + width, ... in order, then its tree
+            slots = np.zeros(width, F32)
+            for start in range(0, ctas, width):
+                part = partials[start:start + width]
+                slots[: part.size] = (slots[: part.size] + part).astype(F32)
+            total = _halving_sum(slots)
+        else:
+            total = partials[0]
+    return F32(F32(total) * F32(F32(1) / F32(n)))
+
+
 ENCODE_CHUNK = 1 << 18  # values compared at once: bounds the [values, thresholds] temporaries (~4 MiB)
 
 
@@ -261,8 +324,9 @@ def quantize_blockwise(x: np.ndarray, code: np.ndarray = DYNAMIC_CODE,
 
 
 def quantize_4bit(w: np.ndarray, quant_type: str = "nf4", blocksize: int = DEFAULT_BLOCKSIZE,
-                  double_quant: bool = False) -> Bnb4Tensor:
-    """bitsandbytes.functional.quantize_4bit of a float32 [N, K] matrix (N*K even)."""
+                  double_quant: bool = False, sm_count: int = TORCH_SM_COUNT) -> Bnb4Tensor:
+    """bitsandbytes.functional.quantize_4bit of a float32 [N, K] matrix (N*K even), as bitsandbytes computes it on
+    a GPU of `sm_count` SMs (which matters only to double quantization's offset, past 131,072 blocks)."""
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"blocksize must be one of {', '.join(map(str, BLOCKSIZES))}, not {blocksize}")
     w = np.asarray(w, F32)
@@ -273,7 +337,7 @@ def quantize_4bit(w: np.ndarray, quant_type: str = "nf4", blocksize: int = DEFAU
     packed = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8)
     nested = None
     if double_quant:
-        offset = F32(absmax.astype(np.float64).mean())  # torch's float32 mean may differ by an ulp
+        offset = torch_mean_f32(absmax, sm_count)  # bitsandbytes takes absmax.mean() in torch, on the GPU
         q, absmax2 = quantize_blockwise((absmax - offset).astype(F32))
         nested = Nested(q, absmax2, offset)
     return Bnb4Tensor(quant_type, blocksize, (int(w.shape[0]), int(w.shape[1])), packed, absmax, nested)

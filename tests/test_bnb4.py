@@ -67,6 +67,36 @@ def test_rcp_approx_is_the_fast_math_reciprocal(rng: np.random.Generator) -> Non
         assert bnb4.quantize_4bit(w, "fp4", 64).codes()[1] == code
 
 
+TORCH_MEANS = Path(__file__).parent / "data" / "torch_means_h100.npz"
+
+
+def test_torch_mean_is_torchs_on_the_h100() -> None:
+    """torch_mean_f32 against torch.mean of float32 vectors on an H100 (torch 2.11, 2026-11-25; each array's last
+    value is torch's result): 7 to 262,144 values, odd tails, one block, several CTAs.  The exact mean rounded,
+    or a plain float32 sum, misses some of them: the order of additions is what is checked."""
+    captured = np.load(TORCH_MEANS)
+    exact_misses = sequential_misses = 0
+    for name in captured.files:
+        x, theirs = captured[name][:-1], captured[name][-1:].view(np.uint32)
+        assert np.float32(bnb4.torch_mean_f32(x)).reshape(1).view(np.uint32) == theirs, name
+        exact = np.float32(x.astype(np.float64).mean())
+        sequential = np.float32(np.cumsum(x, dtype=np.float32)[-1] * (np.float32(1) / np.float32(x.size)))
+        exact_misses += exact.reshape(1).view(np.uint32)[0] != theirs[0]
+        sequential_misses += sequential.reshape(1).view(np.uint32)[0] != theirs[0]
+    assert exact_misses >= 2 and sequential_misses >= 4  # the data tells the orders apart
+
+
+def test_torch_mean_edges() -> None:
+    """One value, the unvectorized sizes (up to 128) and the CTA split by the SM count."""
+    assert bnb4.torch_mean_f32(np.array([3.0], np.float32)) == np.float32(3.0)
+    x = np.arange(1, 129, dtype=np.float32) / np.float32(7)
+    for n in (2, 3, 64, 127, 128, 129, 131):
+        assert abs(float(bnb4.torch_mean_f32(x[:n] if n <= 128 else np.resize(x, n))) -
+                   float(np.resize(x, n).astype(np.float64).mean())) < 1e-6
+    big = np.random.default_rng(1).uniform(0.01, 1, 300_000).astype(np.float32)
+    assert abs(float(bnb4.torch_mean_f32(big, 108)) - float(bnb4.torch_mean_f32(big, 132))) < 1e-6
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("blocksize", [32, 64, 4096])
 def test_round_trip_error_and_double_quantization(rng: np.random.Generator, quant_type: str, blocksize: int) -> None:
