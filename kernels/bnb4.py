@@ -173,7 +173,8 @@ def _scaled(padded: np.ndarray, absmax: np.ndarray) -> np.ndarray:
 # contiguous float32 vector, whose order of float32 additions is reproduced below.  Recovered from 77 means
 # captured on an NVIDIA H100 (torch 2.11, 2026-11-25: 13 vectors of 7 to 1,048,576 values and the absmax vectors of
 # bitsandbytes 0.50.2's double quantization), all equal bit for bit; the exact mean rounded was 1-2 ulps off in
-# half of them.  Above 131,072 values the kernel splits the vector over CTAs by the device's SM count.
+# half of them.  From 131,072 values the kernel splits the vector over CTAs, by the device's SM count past 32,768
+# values an SM (4.3 M on an H100).
 TORCH_SM_COUNT = 132  # the H100's, where the means were captured
 TORCH_MAX_THREADS = 512  # a reduce block's threads at most (ATen's MAX_NUM_THREADS for float)
 
@@ -326,7 +327,7 @@ def quantize_blockwise(x: np.ndarray, code: np.ndarray = DYNAMIC_CODE,
 def quantize_4bit(w: np.ndarray, quant_type: str = "nf4", blocksize: int = DEFAULT_BLOCKSIZE,
                   double_quant: bool = False, sm_count: int = TORCH_SM_COUNT) -> Bnb4Tensor:
     """bitsandbytes.functional.quantize_4bit of a float32 [N, K] matrix (N*K even), as bitsandbytes computes it on
-    a GPU of `sm_count` SMs (which matters only to double quantization's offset, past 131,072 blocks)."""
+    a GPU of `sm_count` SMs (which matters only to double quantization's offset, past 32,768 blocks an SM)."""
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"blocksize must be one of {', '.join(map(str, BLOCKSIZES))}, not {blocksize}")
     w = np.asarray(w, F32)

@@ -87,14 +87,17 @@ def test_torch_mean_is_torchs_on_the_h100() -> None:
 
 
 def test_torch_mean_edges() -> None:
-    """One value, the unvectorized sizes (up to 128) and the CTA split by the SM count."""
+    """One value, the unvectorized sizes (up to 128), and vectors split over CTAs by the SM count: each within a few
+    ulps of the exact mean (their exact order is test_torch_mean_is_torchs_on_the_h100's)."""
     assert bnb4.torch_mean_f32(np.array([3.0], np.float32)) == np.float32(3.0)
     x = np.arange(1, 129, dtype=np.float32) / np.float32(7)
-    for n in (2, 3, 64, 127, 128, 129, 131):
-        assert abs(float(bnb4.torch_mean_f32(x[:n] if n <= 128 else np.resize(x, n))) -
-                   float(np.resize(x, n).astype(np.float64).mean())) < 1e-6
-    big = np.random.default_rng(1).uniform(0.01, 1, 300_000).astype(np.float32)
-    assert abs(float(bnb4.torch_mean_f32(big, 108)) - float(bnb4.torch_mean_f32(big, 132))) < 1e-6
+    for n in (2, 3, 64, 127, 128, 129, 131):  # float32 sums of up to 131 values: a few ulps of the exact mean
+        exact = np.resize(x, n).astype(np.float64).mean()
+        assert abs(float(bnb4.torch_mean_f32(np.resize(x, n))) - exact) <= 4 * np.spacing(np.float32(exact)), n
+    big = np.random.default_rng(1).uniform(0.01, 1, 5_000_000).astype(np.float32)
+    for sm_count in (108, 132):  # past 32,768 values an SM the CTA count follows the SMs: 432 and 528 CTAs here
+        exact = big.astype(np.float64).mean()
+        assert abs(float(bnb4.torch_mean_f32(big, sm_count)) - exact) <= 4 * np.spacing(np.float32(exact))
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
