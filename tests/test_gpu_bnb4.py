@@ -125,6 +125,19 @@ def test_quantize_and_dequantize_equal_bitsandbytes(rng: np.random.Generator, qu
         np.testing.assert_array_equal(theirs.view(np.uint32), bnb4.dequantize_4bit(ours).view(np.uint32))
 
 
+def test_torch_mean_f32_is_torchs_on_this_gpu(rng: np.random.Generator) -> None:
+    """bnb4.torch_mean_f32 against torch.mean on this GPU, with its SM count: up to 128 values, one CTA, CTAs by
+    values a thread, and past 32,768 values an SM, CTAs by the SM count."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for n in (1, 7, 128, 129, 255, 4097, 131_075, 1_000_003, 40_000 * sm_count + 3):
+        x = rng.uniform(0.001, rng.uniform(0.01, 100), n).astype(np.float32)
+        theirs = np.float32(torch.from_numpy(x).cuda().mean().item())
+        assert np.float32(bnb4.torch_mean_f32(x, sm_count)).view(np.uint32) == theirs.view(np.uint32), n
+
+
 def assert_double_quantization_is_bitsandbytes(torch, F, w: np.ndarray, quant_type: str, blocksize: int) -> None:
     """quantize_4bit with compress_statistics, ours and bitsandbytes' on this GPU: codes, offset (torch's mean of
     the absmax values, in its order), 8-bit absmax codes, second-level absmax and dequantized weights bit for bit."""
