@@ -1,13 +1,12 @@
 """`qgemm serve`'s processes: HTTP fronts and an engine, started, watched and restarted here.
 
-The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) accept
-from one listening socket this process opens and hands each of them, so the accept queue outlives any front; each
-parses and checks requests, writes X into its shared-memory arena and asks the engine over a Unix socket.  The
-engine process owns the devices, the weights (one copy whatever the number of fronts) and the batching.  This
-process only supervises:
+The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) each
+listen on the port (SO_REUSEPORT: the kernel spreads connections over them); each parses and checks requests,
+writes X into its shared-memory arena and asks the engine over a Unix socket.  The engine process owns the devices,
+the weights (one copy whatever the number of fronts) and the batching.  This process only supervises:
 
 - a front that dies is replaced within a poll (0.1 s) and its shared memory removed; only its in-flight requests
-  were lost (connections not yet accepted wait in the shared queue for the other fronts);
+  were lost, and the connections the kernel handed its listening socket until the process was gone;
 - an engine that dies fails the requests waiting on it at once (503, Retry-After: the fronts see its socket close)
   and is started again; /healthz says `degraded` until it answers (weights are uploaded again on first use);
 - SIGTERM or SIGINT: the fronts stop taking connections and finish the requests they hold, then the engine stops;
@@ -82,18 +81,17 @@ def arena_bytes_for(want: int, fronts: int, free: int) -> int:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The fronts' one listening socket, shared: each front accepts from its queue, so a front that dies takes only
-    the connections it had accepted (with SO_REUSEPORT each front had its own queue, and the connections the kernel
-    had just queued on a dying front's were reset with it)."""
+    """A listening socket of this front's own on the shared port (SO_REUSEPORT): the kernel spreads new connections
+    over the fronts, and a front that dies takes only its own connections with it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     return sock
 
 
-def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_socket: str,
-              listener: socket.socket) -> None:
+def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_socket: str) -> None:
     """A front process's main (spawned): this front's settings from `env`, its app's service the engine."""
     os.environ.update(env)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
@@ -108,7 +106,7 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
     app = create_app(settings, service=service)
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_config=logs.config(settings.log_level,
                             settings.log_format), access_log=settings.access_log, timeout_graceful_shutdown=25)
-    uvicorn.Server(config).run(sockets=[listener])
+    uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])
 
 
 class Supervisor:
@@ -121,7 +119,6 @@ class Supervisor:
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.children = [Child("engine", 0)] + [Child("front", i) for i in range(fronts)]
         self.stopping = False
-        self.listener: socket.socket | None = None  # opened by run()
 
     # -- leftovers and state -----------------------------------------------------------------------
     def clean_leftovers(self) -> None:
@@ -148,8 +145,7 @@ class Supervisor:
                                     name="qgemm-engine", daemon=False)
         else:
             process = SPAWN.Process(target=run_front, name=f"qgemm-front-{child.index}", daemon=False,
-                                    args=(self.env, child.index, str(self.run_dir), self.instance, self.engine_socket,
-                                          self.listener))  # spawn passes the socket's descriptor to the child
+                                    args=(self.env, child.index, str(self.run_dir), self.instance, self.engine_socket))
         process.start()
         child.process, child.started = process, time.monotonic()
         child.state = "starting" if child.restarts == 0 else "restarting"
@@ -200,8 +196,8 @@ class Supervisor:
     # -- the whole -----------------------------------------------------------------------------------
     def run(self) -> int:
         self.clean_leftovers()
-        try:  # held here for the fronts started later (a front that died is given the same socket)
-            self.listener = listen(self.settings.host, self.settings.port)
+        try:  # the port is ours to share (a process listening there without SO_REUSEPORT refuses this)
+            listen(self.settings.host, self.settings.port).close()
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
@@ -210,7 +206,6 @@ class Supervisor:
             arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, free)
         except ValueError as exc:
             log.error("%s", exc)
-            self.listener.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return 2
         if arena != self.settings.front_arena_bytes:
@@ -241,7 +236,6 @@ class Supervisor:
 
     def shutdown(self) -> int:
         log.info("stopping: the fronts finish their requests, then the engine stops")
-        self.listener.close()  # the port closes with the fronts' copies, as each stops taking connections
         fronts = [c for c in self.children if c.role == "front"]
         for child in self.children:
             child.state = "stopping"

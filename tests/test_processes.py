@@ -124,24 +124,29 @@ def server(models_dir: Path) -> Iterator[Server]:
         s.stop()
 
 
-def _load(server: Server, seconds: float, clients: int, during: callable = None) -> Counter:  # type: ignore[valid-type]
-    """Clients posting M = 1 products for `seconds`, `during()` called half-way; their outcomes counted."""
+def _load(server: Server, seconds: float, clients: int, during: callable = None,  # type: ignore[valid-type]
+          outcomes: list | None = None) -> Counter:
+    """Clients posting M = 1 products for `seconds`, `during()` called a third of the way; their outcomes counted,
+    and each one listed in `outcomes` as (client, time it ended, status code or exception name) where given."""
     counts: Counter = Counter()
     stop = time.monotonic() + seconds
     x = np.random.default_rng(0).standard_normal((1, K)).astype(np.float32)
 
-    def client() -> None:
+    def client(index: int) -> None:
         with httpx.Client() as c:
             while time.monotonic() < stop:
                 try:
                     r = server.post(x, c)
-                    counts[r.status_code] += 1
+                    outcome: int | str = r.status_code
                     if r.status_code == 503:
                         counts[("retry-after", r.headers.get("retry-after"))] += 1
                 except httpx.HTTPError as exc:
-                    counts[type(exc).__name__] += 1
+                    outcome = type(exc).__name__
+                counts[outcome] += 1
+                if outcomes is not None:
+                    outcomes.append((index, time.monotonic(), outcome))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     if during is not None:
@@ -199,9 +204,16 @@ def test_a_killed_front_loses_only_its_requests_and_is_back_within_2_s(server: S
         os.kill(victim, signal.SIGKILL)
         killed.append(time.monotonic())
 
-    counts = _load(server, 4.0, 6, kill)
-    failures = sum(v for k, v in counts.items() if k not in (200,) and not isinstance(k, tuple))
-    assert counts[200] > 0 and failures <= 6, counts  # at most the requests in flight on the killed front
+    outcomes: list[tuple[int, float, int | str]] = []
+    counts = _load(server, 4.0, 6, kill, outcomes)
+    # What dies with a front: the requests on its connections, and the connections the kernel handed its own
+    # listening socket (SO_REUSEPORT) until the process was gone; a client whose request failed may reconnect into
+    # that socket once more before it closes, so the count is not one a client (CI: 8 of 6 clients).  Nothing fails
+    # before the kill or after the front is gone, and every client is served again.
+    failed = [(t - killed[0], o) for _, t, o in outcomes if o != 200]
+    assert counts[200] > 0 and all(0 <= dt <= 2.0 for dt, _ in failed), (counts, failed)
+    last = {c: o for c, _, o in sorted(outcomes, key=lambda e: e[1])}
+    assert sorted(last) == list(range(6)) and set(last.values()) == {200}, (last, failed)
     assert server.wait_ok(10) < 2.0 or victim not in server.pids("front")
     assert victim not in server.pids("front") and len(server.pids("front")) == 2
     assert not [s for s in _segments(server.port) if f"-{victim}-" in s]  # its shared memory is gone
