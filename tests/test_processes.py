@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
+from app import supervisor
 from app.settings import Settings
 from kernels.cpu import CpuBackend
 from kernels.registry import KERNELS
@@ -206,12 +207,14 @@ def test_a_killed_front_loses_only_its_requests_and_is_back_within_2_s(server: S
 
     outcomes: list[tuple[int, float, int | str]] = []
     counts = _load(server, 4.0, 6, kill, outcomes)
-    # What dies with a front: the requests on its connections, and the connections the kernel handed its own
-    # listening socket (SO_REUSEPORT) until the process was gone; a client whose request failed may reconnect into
-    # that socket once more before it closes, so the count is not one a client (CI: 8 of 6 clients).  Nothing fails
-    # before the kill or after the front is gone, and every client is served again.
+    # What dies with a front: the requests on its connections and, unless the host migrates a closing listener's
+    # queue (net.ipv4.tcp_migrate_req = 1), the connections the kernel had queued on its own SO_REUSEPORT socket: a
+    # client whose request died may reconnect into that queue once more before it closes (CI: 8 lost of 6 clients).
+    # Either way nothing fails before the kill or after the front is gone, and every client is served again.
     failed = [(t - killed[0], o) for _, t, o in outcomes if o != 200]
     assert counts[200] > 0 and all(0 <= dt <= 2.0 for dt, _ in failed), (counts, failed)
+    if supervisor.queued_connections_migrate():
+        assert len(failed) <= 6, counts  # at most the requests in flight on the killed front, one a client
     last = {c: o for c, _, o in sorted(outcomes, key=lambda e: e[1])}
     assert sorted(last) == list(range(6)) and set(last.values()) == {200}, (last, failed)
     assert server.wait_ok(10) < 2.0 or victim not in server.pids("front")
