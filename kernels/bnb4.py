@@ -195,6 +195,8 @@ def torch_mean_f32(x: np.ndarray, sm_count: int = TORCH_SM_COUNT) -> np.float32:
     last block adds the same way; then sum * float(1 / n)."""
     x = np.asarray(x, F32).reshape(-1)
     n = x.size
+    if n == 0:
+        return F32(np.nan)  # torch's mean of nothing
     if n <= 128:
         width = 1 << (n.bit_length() - 1)  # threads: the power of two at most n, so each has one or two values
         acc = x[:width].copy()

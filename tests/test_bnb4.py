@@ -87,9 +87,10 @@ def test_torch_mean_is_torchs_on_the_h100() -> None:
 
 
 def test_torch_mean_edges() -> None:
-    """One value, the unvectorized sizes (up to 128), and vectors split over CTAs by the SM count: each within a few
-    ulps of the exact mean (their exact order is test_torch_mean_is_torchs_on_the_h100's)."""
+    """No value, one value, the unvectorized sizes (up to 128), and vectors split over CTAs by the SM count: each
+    within a few ulps of the exact mean (their exact order is test_torch_mean_is_torchs_on_the_h100's)."""
     assert bnb4.torch_mean_f32(np.array([3.0], np.float32)) == np.float32(3.0)
+    assert np.isnan(bnb4.torch_mean_f32(np.array([], np.float32)))  # as torch.mean of an empty tensor
     x = np.arange(1, 129, dtype=np.float32) / np.float32(7)
     for n in (2, 3, 64, 127, 128, 129, 131):  # float32 sums of up to 131 values: a few ulps of the exact mean
         exact = np.resize(x, n).astype(np.float64).mean()
