@@ -20,6 +20,7 @@ the result cast to T.  `gemv_4bit` below computes that in T = float16 or float32
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache
 from importlib import resources
 
@@ -39,13 +40,26 @@ NF4_CODE = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748
 FP4_CODE = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3], dtype=F32) / F32(12)
 CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE}
 
+
+def float_literal(decimal: str) -> np.float32:
+    """A C++ `float` literal's value: the decimal rounded once to float32, as nvcc does.  np.float32(float(s))
+    rounds twice (to float64, then float32), and NF4's thresholds are midpoints of two float32 codes, so several sit
+    next to a float32 tie: four of the fifteen came out an ulp from bitsandbytes' (1 code in ~4 M Gaussian values)."""
+    exact = Fraction(decimal)
+    near = np.float32(float(decimal))
+    candidates = (np.nextafter(near, F32(-np.inf)), near, np.nextafter(near, F32(np.inf)))
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1))
+
+
 # dQuantizeNF4's tree: the code is how many of these (ascending) x exceeds; NaN exceeds none
-NF4_THRESHOLDS = np.array([-0.8480964004993439, -0.6106329262256622, -0.4599952697753906, -0.33967943489551544,
-                           -0.23460740596055984, -0.13791173323988914, -0.045525018125772476, 0.03979014977812767,
-                           0.1202552504837513, 0.2035212516784668, 0.2920137718319893, 0.3893125355243683,
-                           0.5016634166240692, 0.6427869200706482, 0.8614784181118011], dtype=F32)
+NF4_THRESHOLDS = np.array([float_literal(t) for t in (
+    "-0.8480964004993439", "-0.6106329262256622", "-0.4599952697753906", "-0.33967943489551544",
+    "-0.23460740596055984", "-0.13791173323988914", "-0.045525018125772476", "0.03979014977812767",
+    "0.1202552504837513", "0.2035212516784668", "0.2920137718319893", "0.3893125355243683",
+    "0.5016634166240692", "0.6427869200706482", "0.8614784181118011")], dtype=F32)
 # dQuantizeFP4's tree on |x|: thresholds exceeded -> the 3 magnitude bits; the sign bit is x < 0
-FP4_THRESHOLDS = np.array([0.00260417, 0.0859375, 0.20833333, 0.29166667, 0.4166667, 0.583333, 0.8333333], dtype=F32)
+FP4_THRESHOLDS = np.array([float_literal(t) for t in (
+    "0.00260417", "0.0859375", "0.20833333", "0.29166667", "0.4166667", "0.583333", "0.8333333")], dtype=F32)
 FP4_MAGNITUDES = np.array([0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011], dtype=np.uint8)
 
 
