@@ -249,6 +249,30 @@ def test_a_killed_engine_fails_waiting_requests_at_once_and_comes_back(server: S
     assert r.status_code == 200
 
 
+def test_an_answer_read_slowly_is_whole_while_other_requests_run(models_dir: Path) -> None:
+    """A large .npy answer is sent from the front's shared memory.  When the client reads it slowly the event loop
+    holds its unsent part: that memory is released only once sent, not reused by the next request (which wrote
+    into it) or torn down under the write (which cut the answer: a 64 MiB answer, M = 4096, arrived as 4 MB)."""
+    s = Server(models_dir, fronts=1).start()
+    try:
+        rng = np.random.default_rng()
+        slow_x, other_x = (rng.standard_normal((512, K)).astype(np.float32) for _ in range(2))  # 8 MiB answers
+        q = {"model": "demo", "tensor": TENSOR}
+        headers = {"Content-Type": "application/x-npy", "Accept": "application/x-npy"}
+        with httpx.Client(timeout=60) as slow, httpx.Client(timeout=60) as other:
+            with slow.stream("POST", f"{s.url}/v1/matmul", params=q, content=_npy(slow_x), headers=headers) as r:
+                assert r.status_code == 200
+                time.sleep(0.5)  # the loopback's buffers fill up; the front holds the rest of the answer
+                for _ in range(3):  # the same front answers others meanwhile, from the free space of its arena
+                    assert s.post(other_x, other).status_code == 200
+                body = r.read()
+            promptly = s.post(slow_x, other)
+        assert promptly.status_code == 200 and body == promptly.content
+        assert s.health()["status"] == "ok"
+    finally:
+        assert s.stop() == 0
+
+
 def test_a_full_queue_refuses_with_503_instead_of_growing(models_dir: Path) -> None:
     s = Server(models_dir, fronts=1, QGEMM_MAX_QUEUE="2", QGEMM_BATCH_WAIT_US="0").start()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -282,25 +283,27 @@ def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, sch
 
 class NpyInPlace(Response):
     """A large .npy answer sent as two body messages, its header and then the array's own bytes: tens of MB of
-    output (pinned memory the GPU wrote) are not copied into one body first (15 ms at 58 MB)."""
+    output (pinned memory the GPU wrote, or the front's shared memory) are not copied into one body first (15 ms at
+    58 MB).  `send` returns once the transport has the bytes, not once they are on the wire: a client that reads
+    slowly leaves the rest queued in uvloop, which still points into that memory.  So the memory is released when
+    the last reference to the buffer goes (weakref.finalize on a view made for this answer), not after `send`."""
 
     media_type = NPY
 
     def __init__(self, y: np.ndarray, headers: dict[str, str], release: Callable[[], None] | None = None):
-        self.release = release
         self.header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
-        self.data = memoryview(np.ascontiguousarray(y, np.float32)).cast("B")
+        owner = np.ascontiguousarray(y, np.float32).view()  # this answer's own view: its end is the buffer's end
+        if release is not None:
+            weakref.finalize(owner, release)
+        self.data: memoryview | None = memoryview(owner).cast("B")
         super().__init__(None, headers={**headers, "Content-Length": str(len(self.header) + self.data.nbytes)})
 
     async def __call__(self, scope: dict, receive: object, send: object) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.header, "more_body": True})
-            await send({"type": "http.response.body", "body": self.data})
-        finally:
-            self.data.release()
-            if self.release is not None:
-                self.release()
+        data, self.data = self.data, None  # the transport's queue holds the only reference once sent
+        assert data is not None, "an answer is sent once"
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.header, "more_body": True})
+        await send({"type": "http.response.body", "body": data})
 
 
 NPY_HEADERS: dict[tuple[int, ...], bytes] = {}
