@@ -297,6 +297,26 @@ def test_cublas_baselines_without_ctypes(backend, weights_bank, rng: np.random.G
     check_kernel(backend, KERNELS[kernel], "Q8_0", weights_bank[("Q8_0", 257, 4096)], rng.standard_normal((17, 4096)))
 
 
+@pytest.mark.parametrize("k", [8, 64, 200, 264, 776, 1032, 4096, 14336, 30, 1030])
+def test_mmvf_f16_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int) -> None:
+    """mmvf_f16 equals ggml's mul_mat_vec_f (reference.ref_f16_mmvf) bit for bit: a warp a row where K % 8 == 0
+    (one or two 128-thread halves of ggml's block: bs from 32 to 256, ragged last steps), ggml's block a row else
+    (K = 30, 1030); N = 131 leaves the last block of 4 rows short.  Weights of mixed scale exercise half rounding."""
+    import cupy
+
+    from kernels.reference import ref_f16_mmvf
+
+    spec, n = KERNELS["mmvf_f16"], 131
+    w16 = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-6, 3, (n, 1)))).astype(np.float16)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    with backend.stream as s:
+        w = spec.weights.make(backend.modules, "F16", w16, n, k)
+        y = cupy.full((1, n), cupy.nan, dtype=cupy.float32)
+        spec.launch(backend.modules, "F16", w, cupy.asarray(x), y, 1, n, k)
+        s.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), ref_f16_mmvf(w16, x).view(np.uint32))
+
+
 def test_every_cuda_kernel_is_available(backend) -> None:
     for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
         if KERNELS[name].device_reason(backend.cc) is None:

@@ -115,6 +115,92 @@ mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __r
     if (t == 0) Y[n] = s;
 }
 
+// The same mul_mat_vec_f, bit for bit, with a warp a row instead of a block of bs threads (8 rows a block, no
+// barrier) and 16-byte weight loads.  ggml's thread t (t < bs = 32 W) sums pairs t, t + bs, ...; here lane l plays
+// threads t = 128 h + 4 l + j (j < 4, h < H = bs / 128 rounded up), whose pairs 4 l .. 4 l + 3 of each 128 are one
+// 16-byte load.  Thread t's lane in its warp is 4 (l % 8) + j, so the warp butterfly's partners t ^ 16, ^ 8, ^ 4
+// are lanes l ^ 4, ^ 2, ^ 1 and t ^ 2, ^ 1 are registers j ^ 2, ^ 1: the same additions in the same order.  The
+// warps' sums (warp w at lanes 8 (w % 4), registers h = w / 4) meet in the second butterfly, zero-padded to 32.
+// Needs K % 8 == 0 (whole, aligned 16-byte groups); `Acc` is how a thread accumulates a pair.  Against the
+// block a row on the H100: 63 -> 50 us at N = 4096, K = 14336 (84% of copy bandwidth; reports, 2026-11-25).
+struct MmvfF16Acc {  // default precision: half2 sums of hfma2(w, half2(x)), then low + high in float
+    __half2 s = __float2half2_rn(0.0f);
+    __device__ __forceinline__ void add(unsigned w, float2 x) {
+        s = __hfma2(*reinterpret_cast<const __half2*>(&w), __float22half2_rn(x), s);
+    }
+    __device__ __forceinline__ float sum() const { return __low2float(s) + __high2float(s); }
+};
+
+template <class Acc, int H, int U>  // U: steps whose loads are issued before their sums
+__device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const float4* __restrict__ x,
+                                          float* __restrict__ Y, int N, int K, int bs) {
+    const int lane = threadIdx.x % WARP, n = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (n >= N) return;
+    const int pairs = K / 2;
+    const int4* row = W + (size_t)n * (pairs / 4);
+    Acc acc[H][4];
+    for (int s0 = 0; s0 < pairs; s0 += U * bs) {
+        int4 w[U][H];
+        float4 xa[U][H], xb[U][H];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;  // p % 4 == 0: a whole group or none
+                if (t < bs && p < pairs) {
+                    w[u][h] = load_once<false>(row + p / 4);
+                    xa[u][h] = __ldg(x + p / 2);
+                    xb[u][h] = __ldg(x + p / 2 + 1);
+                }
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;
+                if (t < bs && p < pairs) {
+                    acc[h][0].add(unsigned(w[u][h].x), make_float2(xa[u][h].x, xa[u][h].y));
+                    acc[h][1].add(unsigned(w[u][h].y), make_float2(xa[u][h].z, xa[u][h].w));
+                    acc[h][2].add(unsigned(w[u][h].z), make_float2(xb[u][h].x, xb[u][h].y));
+                    acc[h][3].add(unsigned(w[u][h].w), make_float2(xb[u][h].z, xb[u][h].w));
+                }
+            }
+    }
+    float warp_of[H];  // each warp's butterfly: t ^ 16, 8, 4 across lanes, t ^ 2, 1 across registers
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = acc[h][j].sum();
+#pragma unroll
+        for (int off = 4; off > 0; off >>= 1)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], off);
+        const float a = v[0] + v[2], b = v[1] + v[3];
+        warp_of[h] = a + b;
+    }
+    float s = warp_of[0];
+    if (bs > WARP) {  // lane w < W takes warp w's sum; the rest are the zero padding
+        s = 0.0f;
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+            const float from = __shfl_sync(0xffffffffu, warp_of[h], 8 * (lane % 4));
+            if (lane / 4 == h && lane < bs / WARP) s = from;
+        }
+        s = warp_sum(s);
+    }
+    if (lane == 0) Y[n] = s;
+}
+
+// H = 1 (bs <= 128) with two steps' loads ahead, H = 2 with one (48 registers: a row per warp, every row at once)
+#define MMVF_WARP(H, U)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        mmvf_warp_f16_h##H(const int4* W, const float4* x, float* Y, int N, int K, int bs) {               \
+        mmvf_warp<MmvfF16Acc, H, U>(W, x, Y, N, K, bs);                                                    \
+    }
+MMVF_WARP(1, 2)
+MMVF_WARP(2, 1)
+
 // Activations for a BF16 matrix's cuBLAS product: rounded to bfloat16, to nearest even (as ggml converts them).
 extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
