@@ -118,13 +118,14 @@ MMVF_WARP_THREADS = 128  # 4 rows a block: 50 us against 55 with 8 at N = 4096, 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MmvfF16(CudaKernel):
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import pdl
         from kernels.reference import mmvf_block_size
 
         bs = mmvf_block_size(k)
         if k % 8 == 0 and acts.data.ptr % 16 == 0:  # whole 16-byte groups: a warp a row (w16.cu mmvf_warp)
             rows = MMVF_WARP_THREADS // 32
-            mods.function(self.source, f"mmvf_warp_f16_h{cdiv(bs, 128)}")(
-                (cdiv(n, rows),), (MMVF_WARP_THREADS,), (w["w"], acts, y, I32(n), I32(k), I32(bs)))
+            pdl.launch(mods.function(self.source, f"mmvf_warp_f16_h{cdiv(bs, 128)}"), (cdiv(n, rows),),
+                       (MMVF_WARP_THREADS,), (w["w"], acts, y, I32(n), I32(k), I32(bs)), mods.dependent_launch)
         else:  # ggml's own layout: a block of bs threads a row
             mods.function(self.source, "mmvf_f16")((n,), (bs,), (w["w"], acts, y, I32(n), I32(k)))
 

@@ -139,6 +139,7 @@ __device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const floa
     const int pairs = K / 2;
     const int4* row = W + (size_t)n * (pairs / 4);
     Acc acc[H][4];
+    let_dependents_launch();  // launched dependent (pdl.py): the next kernel may get resident now
     for (int s0 = 0; s0 < pairs; s0 += U * bs) {
         int4 w[U][H];
         float4 xa[U][H], xb[U][H];
@@ -147,8 +148,15 @@ __device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const floa
 #pragma unroll
             for (int h = 0; h < H; ++h) {
                 const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;  // p % 4 == 0: a whole group or none
+                if (t < bs && p < pairs) w[u][h] = load_once<false>(row + p / 4);
+            }
+        if (s0 == 0) wait_for_inputs();  // the first weights are on their way; x may come from the kernel before
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int h = 0; h < H; ++h) {
+                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;
                 if (t < bs && p < pairs) {
-                    w[u][h] = load_once<false>(row + p / 4);
                     xa[u][h] = __ldg(x + p / 2);
                     xb[u][h] = __ldg(x + p / 2 + 1);
                 }
