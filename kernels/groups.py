@@ -86,7 +86,7 @@ class GroupedFormat:
 
     name: str
     dtype: np.dtype
-    planes: tuple[str, ...]
+    planes: tuple[str | tuple[str, ...], ...]  # a tuple: adjacent fields kept together (one load for all)
 
     def decode(self, b: np.ndarray) -> tuple:
         """Structured blocks [N, blocks] to (q, scale, coef, mmq_scale, mmq_min) (coef, mmq_min None: no min)."""
@@ -191,7 +191,7 @@ class IQ4NL(GroupedFormat):
 
 
 class IQ4XS(GroupedFormat):
-    name, planes = "IQ4_XS", ("qs", "scales_l", "scales_h", "d")
+    name, planes = "IQ4_XS", ("qs", ("d", "scales_h", "scales_l"))
     dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -219,9 +219,13 @@ class MXFP4(GroupedFormat):
         b["e"] = rng.integers(centre - 3, centre + 4, b.shape).astype(np.uint8)
 
 
+def _fields(plane: str | tuple[str, ...]) -> tuple[str, ...]:
+    return plane if isinstance(plane, tuple) else (plane,)
+
+
 GROUPED: dict[str, GroupedFormat] = {f.name: f for f in (Q2K(), Q3K(), Q4K(), Q5K(), Q6K(), IQ4NL(), IQ4XS(), MXFP4())}
 for _f in GROUPED.values():
-    assert sorted(_f.planes) == sorted(_f.dtype.names), _f.name
+    assert sorted(_field for _p in _f.planes for _field in _fields(_p)) == sorted(_f.dtype.names), _f.name
     assert _f.dtype.itemsize == FORMATS[GGMLQuantizationType[_f.name]].block_bytes, _f.name
     assert FORMATS[GGMLQuantizationType[_f.name]].grouped, _f.name
 
@@ -274,6 +278,15 @@ def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator, scal
 
 
 def field_planes(type_name: str, raw: np.ndarray) -> list[np.ndarray]:
-    """The blocks' fields, each as one contiguous byte array, in the format's `planes` order (the gemv layout)."""
+    """The blocks' fields, each as one contiguous byte array, in the format's `planes` order (the gemv layout); a
+    plane of several fields holds their bytes together, block after block (the fields are adjacent in the block)."""
     b = blocks_of(type_name, raw).reshape(-1)
-    return [np.ascontiguousarray(b[f]).view(np.uint8).reshape(-1) for f in grouped(type_name).planes]
+    rows = b.view(np.uint8).reshape(b.size, -1)
+    planes = []
+    for plane in grouped(type_name).planes:
+        names = _fields(plane)
+        start = b.dtype.fields[names[0]][1]
+        end = b.dtype.fields[names[-1]][1] + b.dtype.fields[names[-1]][0].itemsize
+        assert end - start == sum(b.dtype.fields[f][0].itemsize for f in names), (type_name, plane)  # adjacent
+        planes.append(np.ascontiguousarray(rows[:, start:end]).reshape(-1))
+    return planes
