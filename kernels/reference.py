@@ -528,13 +528,61 @@ def ref_f16_mmvf(w16: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray
         acc = np.zeros(wp.shape[:1] + (bs, 2), np.float16)
         for i in range(steps):  # the product of two halves and the add are exact in float64: one rounding
             acc = (wp[:, i] * xh[i] + acc).astype(np.float16)
-        per_thread = acc[..., 0].astype(np.float32) + acc[..., 1].astype(np.float32)
-        warps = _butterfly(per_thread.reshape(-1, bs // 32, 32))
-        if bs > 32:
-            buf = np.zeros((warps.shape[0], 32), np.float32)
-            buf[:, :bs // 32] = warps
-            warps = _butterfly(buf)[:, None]
-        out[r0:r0 + rows] = warps[:, 0]
+        out[r0:r0 + rows] = _mmvf_block_sum(acc[..., 0].astype(np.float32) + acc[..., 1].astype(np.float32))
+    return out[None]
+
+
+def _mmvf_block_sum(per_thread: np.ndarray) -> np.ndarray:
+    """mul_mat_vec_f's reduction of its threads' float sums [rows, bs]: a butterfly per warp, then the warps' sums
+    (zero-padded to 32) through a second butterfly."""
+    bs = per_thread.shape[1]
+    warps = _butterfly(per_thread.reshape(-1, bs // 32, 32))
+    if bs > 32:
+        buf = np.zeros((warps.shape[0], 32), np.float32)
+        buf[:, :bs // 32] = warps
+        warps = _butterfly(buf)[:, None]
+    return warps[:, 0]
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fmaf(a, b, c) of float32 arrays, rounded once: a * b is exact in float64; the sum's float64 rounding is
+    turned into rounding to odd (TwoSum's residual says which way the exact sum lies), after which rounding to
+    float32 is exact rounding (53 >= 24 + 2 bits)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bp = s - c64
+    e = (p - bp) + (c64 - (s - bp))  # the exact p + c is s + e
+    even = (s.view(np.int64) & 1) == 0
+    with np.errstate(invalid="ignore"):
+        s = np.where((e != 0) & even, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def ref_bf16_mmvf(w_bits: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray:
+    """Y [1, N] as llama.cpp multiplies a BF16 matrix (its bits, uint16 [N, K]) by one fp32 activation row
+    (`mul_mat_vec_f`): thread t of a row's block of bs threads keeps a float sum, fmaf(w, x, sum) over the values
+    of pairs t, t + bs, ... (bf16 widens exactly); then the block's butterflies, as for F16."""
+    w_bits = np.asarray(w_bits, np.uint16)
+    n, k = w_bits.shape
+    x = np.asarray(x, np.float32).reshape(-1)
+    if x.shape[0] != k or k % 2:
+        raise ValueError(f"ref_bf16_mmvf takes one row of K={k} (even) values")
+    bs = mmvf_block_size(k)
+    steps = -(-(k // 2) // bs)
+    xp = np.zeros(steps * bs * 2, np.float32)
+    xp[:k] = x
+    xp = xp.reshape(steps, bs, 2)
+    out = np.empty(n, np.float32)
+    for r0 in range(0, n, rows):
+        wp = np.zeros((min(rows, n - r0), steps * bs * 2), np.uint32)
+        wp[:, :k] = w_bits[r0:r0 + rows]
+        wp = (wp << 16).view(np.float32).reshape(-1, steps, bs, 2)
+        acc = np.zeros(wp.shape[:1] + (bs,), np.float32)
+        for i in range(steps):  # past K: fma(0, 0, sum) == sum
+            acc = fma_f32(wp[:, i, :, 0], xp[i, :, 0], acc)
+            acc = fma_f32(wp[:, i, :, 1], xp[i, :, 1], acc)
+        out[r0:r0 + rows] = _mmvf_block_sum(acc)
     return out[None]
 
 

@@ -317,6 +317,26 @@ def test_mmvf_f16_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int)
     np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), ref_f16_mmvf(w16, x).view(np.uint32))
 
 
+@pytest.mark.parametrize("k", [8, 64, 200, 264, 776, 1032, 4096, 14336])
+def test_mmv_bf16_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int) -> None:
+    """mmv_bf16 sums as ggml's mul_mat_vec_f does for a BF16 matrix (reference.ref_bf16_mmvf: float fmaf sums per
+    thread of a block of bs threads, the block's butterflies), bit for bit; bs from 32 to 256."""
+    import cupy
+
+    from kernels.reference import ref_bf16_mmvf
+
+    spec, n = KERNELS["mmv_bf16"], 131
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-6, 3, (n, 1)))).astype(np.float32)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: any bits will do
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    with backend.stream as s:
+        wd = spec.weights.make(backend.modules, "BF16", bits, n, k)
+        y = cupy.full((1, n), cupy.nan, dtype=cupy.float32)
+        spec.launch(backend.modules, "BF16", wd, cupy.asarray(x), y, 1, n, k)
+        s.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), ref_bf16_mmvf(bits, x).view(np.uint32))
+
+
 def test_every_cuda_kernel_is_available(backend) -> None:
     for name in CUDA_KERNELS:  # every kernel this GPU's architecture can run is built and launchable
         if KERNELS[name].device_reason(backend.cc) is None:

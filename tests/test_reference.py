@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -285,3 +287,42 @@ def test_ref_mmq_expected_error_against_fp64(rng: np.random.Generator, type_name
     x = rng.standard_normal((m, k)).astype(np.float32)
     y = ref.ref_mmq(ref.prepare_block_weights(type_name, raw), ref.quantize_q8_1_mmq(x, layout))
     assert ref.nmse(y, oracle(type_name, raw, x)) <= 4e-5
+
+
+def test_fma_f32_rounds_once(rng: np.random.Generator) -> None:
+    """fma_f32 is fmaf: the exact a * b + c rounded once to float32, where float64 arithmetic would round twice.
+    Here a * b + c = 1 + 3 * 2^-24 - 2^-70 lies just under a float32 tie: float64 lands on the tie, and float32's
+    ties-to-even then goes up; once rounded it goes down."""
+    a = np.array([(1 - 2.0**-23) * 2.0**-24], np.float32)
+    b = c = np.array([1 + 2.0**-23], np.float32)
+    assert (a.astype(np.float64) * b + c).astype(np.float32)[0] == np.float32(1 + 2.0**-22)  # rounded twice
+    assert ref.fma_f32(a, b, c)[0] == np.float32(1 + 2.0**-23)
+    a, b = (rng.standard_normal(500).astype(np.float32) for _ in range(2))
+    c = (rng.standard_normal(500) * np.exp2(rng.integers(-30, 30, 500))).astype(np.float32)
+    got = ref.fma_f32(a, b, c)
+    for i in range(500):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        near = np.float32(float(exact))
+        best = min((np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))),
+                   key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.uint32)) & 1))
+        assert got[i] == best, i
+
+
+def test_ref_bf16_mmvf_sums_as_its_threads_do(rng: np.random.Generator) -> None:
+    """ref_bf16_mmvf against its definition written out for one row: thread t's fmaf sum over pairs t, t + bs, ...,
+    then the butterflies; and close to the float64 product."""
+    k = 776  # bs = 224: 7 warps, 2 steps, the last one ragged
+    w = (rng.standard_normal((3, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = rng.standard_normal(k).astype(np.float32)
+    got = ref.ref_bf16_mmvf(w, x)[0]
+    wf = (w.astype(np.uint32) << 16).view(np.float32)
+    bs = ref.mmvf_block_size(k)
+    for r in range(3):
+        sums = np.zeros(bs, np.float32)
+        for t in range(bs):
+            for p in range(t, k // 2, bs):
+                for v in (2 * p, 2 * p + 1):
+                    sums[t] = ref.fma_f32(wf[r, v:v + 1], x[v:v + 1], sums[t:t + 1])[0]
+        assert got[r] == ref._mmvf_block_sum(sums[None])[0]
+    want = wf.astype(np.float64) @ x.astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(wf).sum(axis=1).max() * np.abs(x).max()

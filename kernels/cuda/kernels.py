@@ -115,25 +115,34 @@ class Cublas(CudaKernel):
 MMVF_WARP_THREADS = 128  # 4 rows a block: 50 us against 55 with 8 at N = 4096, K = 14336 (H100)
 
 
+def launch_mmvf(mods: Any, source: str, t: str, w: Any, acts: Any, y: Any, n: int, k: int) -> bool:
+    """ggml's mul_mat_vec_f at one row with a warp a row (w16.cu mmvf_warp), where K % 8 == 0 and x is 16-byte
+    aligned; False where it cannot (the caller launches ggml's own layout)."""
+    from kernels.cuda import pdl
+    from kernels.reference import mmvf_block_size
+
+    if k % 8 or acts.data.ptr % 16:
+        return False
+    bs, rows = mmvf_block_size(k), MMVF_WARP_THREADS // 32
+    pdl.launch(mods.function(source, f"mmvf_warp_{t}_h{cdiv(bs, 128)}"), (cdiv(n, rows),), (MMVF_WARP_THREADS,),
+               (w, acts, y, I32(n), I32(k), I32(bs)), mods.dependent_launch)
+    return True
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MmvfF16(CudaKernel):
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
-        from kernels.cuda import pdl
         from kernels.reference import mmvf_block_size
 
-        bs = mmvf_block_size(k)
-        if k % 8 == 0 and acts.data.ptr % 16 == 0:  # whole 16-byte groups: a warp a row (w16.cu mmvf_warp)
-            rows = MMVF_WARP_THREADS // 32
-            pdl.launch(mods.function(self.source, f"mmvf_warp_f16_h{cdiv(bs, 128)}"), (cdiv(n, rows),),
-                       (MMVF_WARP_THREADS,), (w["w"], acts, y, I32(n), I32(k), I32(bs)), mods.dependent_launch)
-        else:  # ggml's own layout: a block of bs threads a row
-            mods.function(self.source, "mmvf_f16")((n,), (bs,), (w["w"], acts, y, I32(n), I32(k)))
+        if not launch_mmvf(mods, self.source, "f16", w["w"], acts, y, n, k):  # ggml's block of bs threads a row
+            mods.function(self.source, "mmvf_f16")((n,), (mmvf_block_size(k),), (w["w"], acts, y, I32(n), I32(k)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MmvBf16(CudaKernel):
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
-        mods.function(self.source, "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], acts, y, I32(n), I32(k)))
+        if not launch_mmvf(mods, self.source, "bf16", w["w"], acts, y, n, k):  # a warp a row, its own order
+            mods.function(self.source, "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], acts, y, I32(n), I32(k)))
 
 
 # ---- llama.cpp's formulas at speed --------------------------------------------------------------------
@@ -321,8 +330,8 @@ register(MmvfF16(
                 "threads a row summing half2 FMAs of weights and half activations, float butterflies"))
 register(MmvBf16(
     name="mmv_bf16", activation_format="f32", source="w16.cu", layout=L.BF16, max_m=1, weight_types=("BF16",),
-    description="a BF16 matrix times one fp32 row (llama.cpp's formula at M = 1): a warp per row streaming 16-byte "
-                "loads of bf16 weights, fp32 FMAs, a butterfly"))
+    description="a BF16 matrix times one fp32 row as llama.cpp's mul_mat_vec_f sums it, bit for bit "
+                "(reference.ref_bf16_mmvf): fp32 FMAs per thread of its block, float butterflies; a warp a row"))
 register(Mmq(
     name="mmq", activation_format="q8_1_mmq", source="fast.cu", layout=L.MMQ, min_cc=80, weight_types=QUANT_TYPES,
     auto_rank=5,

@@ -130,6 +130,14 @@ struct MmvfF16Acc {  // default precision: half2 sums of hfma2(w, half2(x)), the
     }
     __device__ __forceinline__ float sum() const { return __low2float(s) + __high2float(s); }
 };
+struct MmvfBf16Acc {  // a float sum of fmaf(w, x) over the pair's two values (bf16 widens exactly)
+    float s = 0.0f;
+    __device__ __forceinline__ void add(unsigned w, float2 x) {
+        s = fmaf(__uint_as_float(w << 16), x.x, s);
+        s = fmaf(__uint_as_float(w & 0xFFFF0000u), x.y, s);
+    }
+    __device__ __forceinline__ float sum() const { return s; }
+};
 
 template <class Acc, int H, int U>  // U: steps whose loads are issued before their sums
 __device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const float4* __restrict__ x,
@@ -201,13 +209,15 @@ __device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const floa
 }
 
 // H = 1 (bs <= 128) with two steps' loads ahead, H = 2 with one (48 registers: a row per warp, every row at once)
-#define MMVF_WARP(H, U)                                                                                    \
+#define MMVF_WARP(t, ACC, H, U)                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
-        mmvf_warp_f16_h##H(const int4* W, const float4* x, float* Y, int N, int K, int bs) {               \
-        mmvf_warp<MmvfF16Acc, H, U>(W, x, Y, N, K, bs);                                                    \
+        mmvf_warp_##t##_h##H(const int4* W, const float4* x, float* Y, int N, int K, int bs) {             \
+        mmvf_warp<ACC, H, U>(W, x, Y, N, K, bs);                                                           \
     }
-MMVF_WARP(1, 2)
-MMVF_WARP(2, 1)
+MMVF_WARP(f16, MmvfF16Acc, 1, 2)
+MMVF_WARP(f16, MmvfF16Acc, 2, 1)
+MMVF_WARP(bf16, MmvfBf16Acc, 1, 2)
+MMVF_WARP(bf16, MmvfBf16Acc, 2, 1)
 
 // Activations for a BF16 matrix's cuBLAS product: rounded to bfloat16, to nearest even (as ggml converts them).
 extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
