@@ -82,7 +82,7 @@ def test_float_literal_rounds_once() -> None:
 
 def test_codes_next_to_each_threshold_are_bitsandbytes() -> None:
     """Values whose x * (1 / absmax) lies within 4 ulps of an NF4 or FP4 threshold, and bitsandbytes 0.50.2's codes
-    for them (an H100, 2026-11-25: 660 M Gaussian values each for NF4 at blocksizes 64 and 256 and FP4 at 64).  With
+    for them (an H100, 2026-11-25: 630 M Gaussian values each for NF4 at blocksizes 64 and 256 and FP4 at 64).  With
     the thresholds rounded twice, 39 of the 2,655 NF4 codes missed."""
     captured = np.load(NEAR_THRESHOLDS)
     for tag in ("nf4_64", "nf4_256", "fp4_64"):
