@@ -50,15 +50,11 @@ __device__ __forceinline__ void nibble_table_words(const u8* qs, int* w) {
 #define MXFP4_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4) from the 12 scale bytes q
+// without a branch: a warp's lanes hold sub-blocks 0-7, so both sides of `j < 4` ran, each with its own loads
 __device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = __ldg(q + j) & 63;
-        m = __ldg(q + j + 4) & 63;
-    } else {
-        const int b = __ldg(q + j + 4);
-        sc = (b & 0xF) | ((__ldg(q + j - 4) >> 6) << 4);
-        m = (b >> 4) | ((__ldg(q + j) >> 6) << 4);
-    }
+    const int a = __ldg(q + (j & 3)), b = __ldg(q + j + 4), c = __ldg(q + j);  // c: q[j] (j >= 4; a when j < 4)
+    sc = j < 4 ? a & 63 : (b & 0xF) | ((a >> 6) << 4);
+    m = j < 4 ? b & 63 : (b >> 4) | ((c >> 6) << 4);
 }
 
 // Planes: p0 qs [128], p1 scales [12], p2 d, p3 dmin (halves); Q5_K also p4 qh [32].  One 16-byte load of
