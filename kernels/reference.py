@@ -511,9 +511,7 @@ def ref_f16_mmvf(w16: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray
     warps' sums through shared memory and a second butterfly.  Bit for bit ggml's on the H100 (docs/accuracy.md)."""
     w16 = np.asarray(w16, np.float16)
     n, k = w16.shape
-    x = np.asarray(x, np.float32).reshape(-1)
-    if x.shape[0] != k or k % 2:
-        raise ValueError(f"ref_f16_mmvf takes one row of K={k} (even) values")
+    x = _mmvf_row(x, k, "ref_f16_mmvf")
     bs = mmvf_block_size(k)
     pairs = k // 2
     steps = -(-pairs // bs)
@@ -530,6 +528,14 @@ def ref_f16_mmvf(w16: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.ndarray
             acc = (wp[:, i] * xh[i] + acc).astype(np.float16)
         out[r0:r0 + rows] = _mmvf_block_sum(acc[..., 0].astype(np.float32) + acc[..., 1].astype(np.float32))
     return out[None]
+
+
+def _mmvf_row(x: np.ndarray, k: int, name: str) -> np.ndarray:
+    """mul_mat_vec_f's one activation row of K (even) values, as float32."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    if x.shape[0] != k or k % 2:
+        raise ValueError(f"{name} takes one row of K={k} (even) values")
+    return x
 
 
 def _mmvf_block_sum(per_thread: np.ndarray) -> np.ndarray:
@@ -565,9 +571,7 @@ def ref_bf16_mmvf(w_bits: np.ndarray, x: np.ndarray, rows: int = 1024) -> np.nda
     of pairs t, t + bs, ... (bf16 widens exactly); then the block's butterflies, as for F16."""
     w_bits = np.asarray(w_bits, np.uint16)
     n, k = w_bits.shape
-    x = np.asarray(x, np.float32).reshape(-1)
-    if x.shape[0] != k or k % 2:
-        raise ValueError(f"ref_bf16_mmvf takes one row of K={k} (even) values")
+    x = _mmvf_row(x, k, "ref_bf16_mmvf")
     bs = mmvf_block_size(k)
     steps = -(-(k // 2) // bs)
     xp = np.zeros(steps * bs * 2, np.float32)
