@@ -115,14 +115,15 @@ mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __r
     if (t == 0) Y[n] = s;
 }
 
-// The same mul_mat_vec_f, bit for bit, with a warp a row instead of a block of bs threads (8 rows a block, no
-// barrier) and 16-byte weight loads.  ggml's thread t (t < bs = 32 W) sums pairs t, t + bs, ...; here lane l plays
+// The same mul_mat_vec_f, bit for bit, with a warp a row instead of a block of bs threads (4 rows a block of 128
+// threads, no barrier) and 16-byte weight loads.  ggml's thread t (t < bs = 32 W) sums pairs t, t + bs, ...; here lane l plays
 // threads t = 128 h + 4 l + j (j < 4, h < H = bs / 128 rounded up), whose pairs 4 l .. 4 l + 3 of each 128 are one
 // 16-byte load.  Thread t's lane in its warp is 4 (l % 8) + j, so the warp butterfly's partners t ^ 16, ^ 8, ^ 4
 // are lanes l ^ 4, ^ 2, ^ 1 and t ^ 2, ^ 1 are registers j ^ 2, ^ 1: the same additions in the same order.  The
 // warps' sums (warp w at lanes 8 (w % 4), registers h = w / 4) meet in the second butterfly, zero-padded to 32.
 // Needs K % 8 == 0 (whole, aligned 16-byte groups); `Acc` is how a thread accumulates a pair.  Against the
-// block a row on the H100: 63 -> 50 us at N = 4096, K = 14336 (84% of copy bandwidth; reports, 2026-11-25).
+// block a row on the H100, N = 4096, K = 14336, back-to-back launches and launched dependent: 55.2 -> 40.5 us
+// (96% of copy bandwidth; reports/kernels-at-the-limit.md, fourth session).
 struct MmvfF16Acc {  // default precision: half2 sums of hfma2(w, half2(x)), then low + high in float
     __half2 s = __float2half2_rn(0.0f);
     __device__ __forceinline__ void add(unsigned w, float2 x) {
