@@ -115,34 +115,22 @@ class Cublas(CudaKernel):
 MMVF_WARP_THREADS = 128  # 4 rows a block: 50 us against 55 with 8 at N = 4096, K = 14336 (H100)
 
 
-def launch_mmvf(mods: Any, source: str, t: str, w: Any, acts: Any, y: Any, n: int, k: int) -> bool:
-    """ggml's mul_mat_vec_f at one row with a warp a row (w16.cu mmvf_warp), where K % 8 == 0 and x is 16-byte
-    aligned; False where it cannot (the caller launches ggml's own layout)."""
-    from kernels.cuda import pdl
-    from kernels.reference import mmvf_block_size
-
-    if k % 8 or acts.data.ptr % 16:
-        return False
-    bs, rows = mmvf_block_size(k), MMVF_WARP_THREADS // 32
-    pdl.launch(mods.function(source, f"mmvf_warp_{t}_h{cdiv(bs, 128)}"), (cdiv(n, rows),), (MMVF_WARP_THREADS,),
-               (w, acts, y, I32(n), I32(k), I32(bs)), mods.dependent_launch)
-    return True
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
-class MmvfF16(CudaKernel):
+class MulMatVecF(CudaKernel):
+    """ggml's mul_mat_vec_f for a float matrix (`element`: f16 or bf16) and one row, a warp a row (w16.cu
+    mmvf_warp), launched dependent (pdl.py)."""
+
+    element: str
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import pdl
         from kernels.reference import mmvf_block_size
 
-        if not launch_mmvf(mods, self.source, "f16", w["w"], acts, y, n, k):  # ggml's block of bs threads a row
-            mods.function(self.source, "mmvf_f16")((n,), (mmvf_block_size(k),), (w["w"], acts, y, I32(n), I32(k)))
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class MmvBf16(CudaKernel):
-    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
-        if not launch_mmvf(mods, self.source, "bf16", w["w"], acts, y, n, k):  # a warp a row, its own order
-            mods.function(self.source, "mmv_bf16")((cdiv(n, 8),), (256,), (w["w"], acts, y, I32(n), I32(k)))
+        if k % 8 or acts.data.ptr % 16:  # K % 32 == 0 (k_multiple) and CuPy's buffers make neither happen
+            raise ValueError(f"{self.name} needs K % 8 == 0 and 16-byte aligned activations (K = {k})")
+        bs, rows = mmvf_block_size(k), MMVF_WARP_THREADS // 32
+        pdl.launch(mods.function(self.source, f"mmvf_warp_{self.element}_h{cdiv(bs, 128)}"), (cdiv(n, rows),),
+                   (MMVF_WARP_THREADS,), (w["w"], acts, y, I32(n), I32(k), I32(bs)), mods.dependent_launch)
 
 
 # ---- llama.cpp's formulas at speed --------------------------------------------------------------------
@@ -324,12 +312,14 @@ register(Cublas(
     name="cublas_bf16", activation_format="bf16", source="w16.cu", layout=L.BF16, weight_types=("BF16",),
     description="BF16 matrices as stored, activations rounded to bf16 on the GPU, cuBLAS GemmEx with fp32 "
                 "accumulation and output (llama.cpp's path for BF16 at M > 1)"))
-register(MmvfF16(
-    name="mmvf_f16", activation_format="f16_mmvf", source="w16.cu", layout=L.F16, max_m=1, weight_types=("F16",),
-    description="an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit for bit: a block of "
-                "threads a row summing half2 FMAs of weights and half activations, float butterflies"))
-register(MmvBf16(
-    name="mmv_bf16", activation_format="f32", source="w16.cu", layout=L.BF16, max_m=1, weight_types=("BF16",),
+register(MulMatVecF(
+    name="mmvf_f16", element="f16", activation_format="f16_mmvf", source="w16.cu", layout=L.F16, max_m=1,
+    weight_types=("F16",),
+    description="an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit for bit: half2 FMAs of "
+                "weights and half activations per thread of its block, float butterflies; a warp a row"))
+register(MulMatVecF(
+    name="mmv_bf16", element="bf16", activation_format="f32", source="w16.cu", layout=L.BF16, max_m=1,
+    weight_types=("BF16",),
     description="a BF16 matrix times one fp32 row as llama.cpp's mul_mat_vec_f sums it, bit for bit "
                 "(reference.ref_bf16_mmvf): fp32 FMAs per thread of its block, float butterflies; a warp a row"))
 register(Mmq(

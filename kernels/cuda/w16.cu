@@ -1,6 +1,6 @@
 // FP32-activation kernels (W4A16 / W8A16): weights dequantized inside the kernel, fp32 math; the
 // one-time dequantization to fp16 / fp32 that the cuBLAS kernels multiply with; and the float matrices'
-// own kernels (llama.cpp's F16 matrix-vector product, activations to bf16).
+// own kernels (llama.cpp's F16 and BF16 matrix-vector product, activations to bf16).
 #include "common.cuh"
 #include <cuda_bf16.h>
 
@@ -91,39 +91,16 @@ __device__ void dequantize(const u8* __restrict__ W, OUT* __restrict__ out, long
     }
 QGEMM_FOR_TYPES(W16)
 
-// llama.cpp's mul_mat_vec_f for an F16 matrix and one activation row, at its default precision, bit for bit
-// (reference.ref_f16_mmvf): a block of bs threads a row (bs from mmvf_block_size), thread t keeps a half2
-// sum of fma(w, half2(x), sum) over value pairs t, t + bs, ...; then low + high in float, a butterfly warp
-// sum, and the warps' sums (zero-padded to 32) through shared memory and a second butterfly.
-extern "C" __global__ void __launch_bounds__(256)
-mmvf_f16(const __half2* __restrict__ W, const float2* __restrict__ x, float* __restrict__ Y, int N, int K) {
-    __shared__ float part[WARP];
-    const int n = blockIdx.x, t = threadIdx.x, warp = t / WARP, lane = t % WARP, pairs = K / 2;
-    const __half2* w = W + (size_t)n * pairs;
-    __half2 sum = __float2half2_rn(0.0f);
-#pragma unroll 8  // loads of 8 pairs in flight before their FMAs (in the same order)
-    for (int j = t; j < pairs; j += blockDim.x) sum = __hfma2(w[j], __float22half2_rn(x[j]), sum);
-    float s = warp_sum(__low2float(sum) + __high2float(sum));
-    if (blockDim.x > WARP) {
-        if (warp == 0) part[lane] = 0.0f;
-        __syncthreads();
-        if (lane == 0) part[warp] = s;
-        __syncthreads();
-        if (warp > 0) return;
-        s = warp_sum(part[lane]);
-    }
-    if (t == 0) Y[n] = s;
-}
-
-// The same mul_mat_vec_f, bit for bit, with a warp a row instead of a block of bs threads (4 rows a block of 128
-// threads, no barrier) and 16-byte weight loads.  ggml's thread t (t < bs = 32 W) sums pairs t, t + bs, ...; here lane l plays
-// threads t = 128 h + 4 l + j (j < 4, h < H = bs / 128 rounded up), whose pairs 4 l .. 4 l + 3 of each 128 are one
-// 16-byte load.  Thread t's lane in its warp is 4 (l % 8) + j, so the warp butterfly's partners t ^ 16, ^ 8, ^ 4
-// are lanes l ^ 4, ^ 2, ^ 1 and t ^ 2, ^ 1 are registers j ^ 2, ^ 1: the same additions in the same order.  The
-// warps' sums (warp w at lanes 8 (w % 4), registers h = w / 4) meet in the second butterfly, zero-padded to 32.
-// Needs K % 8 == 0 (whole, aligned 16-byte groups); `Acc` is how a thread accumulates a pair.  Against the
-// block a row on the H100, N = 4096, K = 14336, back-to-back launches and launched dependent: 55.2 -> 40.5 us
-// (96% of copy bandwidth; reports/kernels-at-the-limit.md, fourth session).
+// llama.cpp's mul_mat_vec_f for an F16 or BF16 matrix and one activation row, bit for bit (reference.ref_f16_mmvf,
+// ref_bf16_mmvf).  ggml gives a row a block of bs threads (bs = 32 W from mmvf_block_size): thread t sums value
+// pairs t, t + bs, ...; then a butterfly per warp, and the warps' sums (zero-padded to 32) through a second one.
+// Here a warp takes a row (4 rows a block, no barrier) with 16-byte weight loads: lane l plays threads
+// t = 128 h + 4 l + j (j < 4, h < H = bs / 128 rounded up), whose pairs 4 l .. 4 l + 3 of each 128 are one load.
+// Thread t's lane in its warp is 4 (l % 8) + j, so the warp butterfly's partners t ^ 16, ^ 8, ^ 4 are lanes
+// l ^ 4, ^ 2, ^ 1 and t ^ 2, ^ 1 are registers j ^ 2, ^ 1: the same additions in the same order.  The warps' sums
+// (warp w at lanes 8 (w % 4), registers h = w / 4) meet in the second butterfly.  Needs K % 8 == 0 (whole,
+// aligned 16-byte groups; kernels take K % 32 == 0); `Acc` is how a thread accumulates a pair.  Against ggml's
+// block a row on the H100: 55 -> 40.5 us at N = 4096, K = 14336 (96% of copy bandwidth; kernels-at-the-limit.md).
 struct MmvfF16Acc {  // default precision: half2 sums of hfma2(w, half2(x)), then low + high in float
     __half2 s = __float2half2_rn(0.0f);
     __device__ __forceinline__ void add(unsigned w, float2 x) {
@@ -224,29 +201,4 @@ MMVF_WARP(bf16, MmvfBf16Acc, 2, 1)
 extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2bfloat16_rn(x[i]);
-}
-
-// A BF16 matrix times one fp32 activation row (llama.cpp's formula at M = 1: fp32 activations, fp32 sums):
-// a warp per row, 16-byte loads of 8 bf16 weights (widened exactly), lanes over K, a butterfly at the end.
-extern "C" __global__ void __launch_bounds__(256)
-mmv_bf16(const uint4* __restrict__ W, const float4* __restrict__ x, float* __restrict__ Y, int N, int K) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, n = blockIdx.x * (blockDim.x / WARP) + warp;
-    if (n >= N) return;
-    const int chunks = K / 8;
-    const uint4* row = W + (size_t)n * chunks;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int j = lane; j < chunks; j += WARP) {
-        const int4 w = load_once<false>(reinterpret_cast<const int4*>(row) + j);  // streamed once
-        const float4 x0 = __ldg(x + 2 * j), x1 = __ldg(x + 2 * j + 1);
-        const unsigned b[4] = {unsigned(w.x), unsigned(w.y), unsigned(w.z), unsigned(w.w)};
-        const float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc = fmaf(__uint_as_float(b[i] << 16), v[2 * i], acc);
-            acc = fmaf(__uint_as_float(b[i] & 0xFFFF0000u), v[2 * i + 1], acc);
-        }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) Y[n] = acc;
 }
