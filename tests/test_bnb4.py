@@ -111,6 +111,18 @@ def test_torch_mean_is_torchs_on_the_h100() -> None:
     assert exact_misses >= 2 and sequential_misses >= 4  # the data tells the orders apart
 
 
+def test_torch_mean_is_torchs_around_the_vector_boundary() -> None:
+    """torch_mean_f32 against torch.mean at 1 to 140, 250 to 260 and 500 to 520 values (3 vectors each, an H100,
+    2026-11-26), where the thread count and the loads change, and one vector of 128 values from an H200 whose mean
+    showed that 128 values already take float4 loads (the two orders gave the same mean on every H100 vector)."""
+    d = np.load(Path(__file__).parent / "data" / "torch_means_small.npz")
+    starts = np.concatenate([[0], np.cumsum(d["n"])])
+    for i, (n, theirs) in enumerate(zip(d["n"], d["mean"], strict=True)):
+        x = d["x"][starts[i]:starts[i + 1]]
+        where = str(d["devices"][d["device"][i]])
+        assert bnb4.torch_mean_f32(x).view(np.uint32) == theirs.view(np.uint32), (int(n), where)
+
+
 def test_torch_mean_edges() -> None:
     """No value, one value, the unvectorized sizes (up to 128), and vectors split over CTAs by the SM count: each
     within a few ulps of the exact mean (their exact order is test_torch_mean_is_torchs_on_the_h100's)."""
