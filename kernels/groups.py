@@ -87,6 +87,9 @@ class GroupedFormat:
     name: str
     dtype: np.dtype
     planes: tuple[str | tuple[str, ...], ...]  # a tuple: adjacent fields kept together (one load for all)
+    # 16 bytes of nibbles a 32-value block through a code book, in plane p0 with the scales in p1: fast.cu's skinny
+    # MMA takes their products of 5..8 rows (fast.cu SkinnyCodes, launch.py SKINNY_CODES_MIN_M); gemv_groups the rest
+    skinny = False
 
     def decode(self, b: np.ndarray) -> tuple:
         """Structured blocks [N, blocks] to (q, scale, coef, mmq_scale, mmq_min) (coef, mmq_min None: no min)."""
@@ -180,6 +183,7 @@ class Q6K(GroupedFormat):
 
 class IQ4NL(GroupedFormat):
     name, planes = "IQ4_NL", ("qs", "d")
+    skinny = True
     dtype = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -192,6 +196,7 @@ class IQ4NL(GroupedFormat):
 
 class IQ4XS(GroupedFormat):
     name, planes = "IQ4_XS", ("qs", ("d", "scales_h", "scales_l"))
+    skinny = True
     dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -208,6 +213,7 @@ class IQ4XS(GroupedFormat):
 
 class MXFP4(GroupedFormat):
     name, planes = "MXFP4", ("qs", "e")
+    skinny = True
     dtype = np.dtype([("e", "u1"), ("qs", "u1", 16)])
 
     def decode(self, b: np.ndarray) -> tuple:

@@ -124,7 +124,7 @@ def test_torch_mean_is_torchs_around_the_vector_boundary() -> None:
 
 
 def test_torch_mean_edges() -> None:
-    """No value, one value, the unvectorized sizes (up to 128), and vectors split over CTAs by the SM count: each
+    """No value, one value, the unvectorized sizes (below 128), and vectors split over CTAs by the SM count: each
     within a few ulps of the exact mean (their exact order is test_torch_mean_is_torchs_on_the_h100's)."""
     assert bnb4.torch_mean_f32(np.array([3.0], np.float32)) == np.float32(3.0)
     assert np.isnan(bnb4.torch_mean_f32(np.array([], np.float32)))  # as torch.mean of an empty tensor

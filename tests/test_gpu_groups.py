@@ -89,3 +89,20 @@ def test_gemv_m1_every_split(backend, rng: np.random.Generator, monkeypatch, typ
         raw = groups.random_blocks(type_name, n, k, rng, rng.uniform(0.005, 0.05))
         check_kernel(backend, KERNELS["gemv"], type_name, raw, rng.standard_normal((1, k)) * 3,
                      key=f"split {split} {n} {k}")
+
+
+@pytest.mark.parametrize("type_name", [t for t in GROUPED_TYPES if groups.GROUPED[t].skinny])
+def test_skinny_code_books(backend, rng: np.random.Generator, monkeypatch, type_name: str) -> None:  # noqa: F811
+    """gemv at 2 <= M <= 8 for the code-book formats, each through the skinny MMA on their planes (which takes only
+    M >= SKINNY_CODES_MIN_M in service): every activation row count, K split over blocks or not, a last stage of 8
+    quant blocks, scale runs that start 8 bytes into a 16-byte chunk (K / 32 = 8 or 40), N past the last 16-row
+    block, and a deep K split into a zeroed output."""
+    from kernels.cuda import launch
+
+    monkeypatch.setattr(launch, "SKINNY_CODES_MIN_M", 2)
+    spec = KERNELS["gemv"]
+    for m, n, k in ((2, 33, 1280), (8, 2113, 1280), (6, 257, 256), (8, 17, 14336), (5, 130, 4352), (3, 1, 256),
+                    (4, 4096, 2304), (7, 31, 768)):
+        raw = groups.random_blocks(type_name, n, k, rng, rng.uniform(0.005, 0.05))
+        x = rng.standard_normal((m, k)) * rng.uniform(0.1, 10)
+        check_kernel(backend, spec, type_name, raw, x, key=f"skinny {m} {n} {k}")

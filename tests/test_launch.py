@@ -16,11 +16,25 @@ FAST = (Path(L.__file__).parent / "fast.cu").read_text()
 
 
 def test_the_mirrored_constants_are_fast_cus() -> None:
-    assert int(re.search(r"#define SKINNY_KB (\d+)", FAST).group(1)) == L.SKINNY_KB
+    common = (Path(L.__file__).parent / "common.cuh").read_text()
+    assert int(re.search(r"#define CHUNK_BLOCKS (\d+)", common).group(1)) == L.CHUNK_BLOCKS
+    assert re.search(r"#define SKINNY_KB (\w+)", FAST).group(1) == "CHUNK_BLOCKS" and L.SKINNY_KB == L.CHUNK_BLOCKS
+    assert (int(re.search(r"#define SKINNY_WARPS (\d+)", FAST).group(1)) + 1) * 32 == L.SKINNY_THREADS
     assert int(re.search(r"#define MMQ_BM (\d+)", FAST).group(1)) == L.MMQ_BM
     assert int(re.search(r"#define MMQ_BN (\d+)", FAST).group(1)) == L.MMQ_BN
     splits = {int(s) for s in re.findall(r"GEMV1_GROUPS\(t, T, (\d+)[,)]", FAST)}  # the instances fast.cu makes
     assert {L.groups_split(t) for t in L.GROUPS_SPLIT} | {1} <= splits and all(8 % s == 0 for s in splits)
+
+
+def test_the_skinny_code_books_are_fast_cus() -> None:
+    """The grouped formats the gemv launch sends to the skinny MMA at M = 2..8 (groups.py `skinny`) are the ones
+    groups.cuh instantiates it for."""
+    from kernels.groups import GROUPED
+
+    cuh = (Path(L.__file__).parent / "groups.cuh").read_text()
+    listed = re.search(r"#define QGEMM_FOR_CODEBOOK_TYPES\(MACRO\)(.*)", cuh).group(1)
+    assert set(re.findall(r"MACRO\(\w+, (\w+)\)", listed)) == {t for t, f in GROUPED.items() if f.skinny}
+    assert "QGEMM_FOR_CODEBOOK_TYPES(SKINNY_CODES)" in FAST
 
 
 @pytest.mark.parametrize("bias", [4, 32])
@@ -47,10 +61,43 @@ def test_skinny_splits_cover_k_once(n: int, k: int) -> None:
         assert splits == 1
 
 
-@pytest.mark.parametrize("planes", [(16, 2, False), (16, 4, False), (16, 2, True), (16, 4, True), (32, 2, False)])
-def test_skinny_stages_fit_two_blocks_an_sm(planes: tuple[int, int, bool]) -> None:
+@pytest.mark.parametrize("weights", [{"block_bytes": b} for b in (18, 20, 22, 24, 34)] +
+                         [{"scale_bytes": b} for b in (1, 2)])
+def test_skinny_stages_fit_two_blocks_an_sm(weights: dict[str, int]) -> None:
+    """Every legacy block size (chunked rows) and code-book scale size, at every row count."""
     for m in range(2, 9):
-        stage = L.skinny_stage(*planes, m)
+        stage = L.skinny_stage(L.skinny_weights(**weights), m)
         stages = L.skinny_stages(stage)
-        assert 2 <= stages <= 4 and stages * stage <= L.SKINNY_SMEM, (planes, m, stage, stages)
+        assert stage % 16 == 0 and 2 <= stages <= 4 and stages * stage <= L.SKINNY_SMEM, (weights, m, stage, stages)
         assert 2 * (stages * stage + 4096 + 1024) <= 228 * 1024  # two blocks: buffers, the warps' sums, 1 KiB each
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("k", [32, 2048, 4128, 6144 + 96])
+def test_chunked_rows_hold_every_block_where_gemv_reads_it(rng: np.random.Generator, type_name: str, k: int) -> None:
+    """layouts.chunked_rows against common.cuh's ChunkedRows offsets (written out here): block j of chunk c of a row
+    has its quants at c * CHUNK + j * qs_bytes, its fifth bits after the chunk's nb quants, its scale after those;
+    rows of chunked_row_bytes, whole chunks and a last one of K / 32 % 64 blocks, each part aligned for its loads."""
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels.cuda.layouts import chunked_rows
+    from kernels.reference import block_fields
+
+    n = 3
+    raw = quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
+    head, qh, qs = block_fields(type_name, raw)
+    rows = chunked_rows(type_name, raw)
+    kb, block = k // QK, raw.shape[1] // (k // QK)
+    assert rows.shape == (n, L.chunked_row_bytes(block, kb)) and rows.shape[1] % 16 == 0
+    qh_bytes, qs_bytes = (4 if qh is not None else 0), qs.shape[-1]
+    for b in range(kb):
+        c, j = divmod(b, L.CHUNK_BLOCKS)
+        nb = min(L.CHUNK_BLOCKS, kb - c * L.CHUNK_BLOCKS)
+        chunk = c * L.CHUNK_BLOCKS * block
+        at_qh, at_d = chunk + nb * qs_bytes, chunk + nb * (qs_bytes + qh_bytes)
+        assert chunk % 16 == 0 and at_qh % 16 == 0 and at_d % 4 == 0
+        np.testing.assert_array_equal(rows[:, chunk + j * qs_bytes:][:, :qs_bytes], qs[:, b])
+        if qh is not None:
+            np.testing.assert_array_equal(rows[:, at_qh + 4 * j:][:, :4], qh[:, b])
+        hb = head.shape[-1] * 2
+        np.testing.assert_array_equal(rows[:, at_d + hb * j:][:, :hb], head[:, b].view(np.uint8).reshape(n, -1))

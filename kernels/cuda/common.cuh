@@ -184,6 +184,32 @@ __device__ __forceinline__ float split_epilogue(typename T::Scale w, float sumi,
     }
 }
 
+// ---- gemv's weight layout (kernels/cuda/layouts.py CHUNKED mirrors it) ----
+// K in chunks of CHUNK_BLOCKS quant blocks, the skinny kernel's stage (fast.cu), so that a stage is one copy a
+// weight row.
+#define CHUNK_BLOCKS 64
+// A legacy format's weight row: its chunks one after another, each (of nb blocks) the nb blocks' quants, then their
+// fifth bits (a uint32 a block, Q5_0 / Q5_1), then their scales (d or (d, m)), padded to 16 bytes; every part
+// starts aligned for its loads (quants at 16 bytes, fifth bits at 16, scales at 4), and a full chunk is
+// CHUNK_BLOCKS block sizes (a multiple of 128 bytes).
+template <typename T>
+struct ChunkedRows {
+    using Scale = typename T::Scale;
+    static constexpr int QH4 = T::QH ? 4 : 0, PER = T::QS_BYTES + QH4 + (int)sizeof(Scale), CHUNK = CHUNK_BLOCKS * PER;
+    __device__ static int chunk_bytes(int nb) { return (nb * PER + 15) & ~15; }
+    __device__ static size_t row_bytes(int KB) {
+        return (size_t)(KB / CHUNK_BLOCKS) * CHUNK + chunk_bytes(KB % CHUNK_BLOCKS);
+    }
+    // block j of a chunk of nb blocks
+    __device__ static const u8* qs(const u8* chunk, int j) { return chunk + j * T::QS_BYTES; }
+    __device__ static const unsigned* qh(const u8* chunk, int nb, int j) {
+        return reinterpret_cast<const unsigned*>(chunk + nb * T::QS_BYTES) + j;
+    }
+    __device__ static const Scale* d(const u8* chunk, int nb, int j) {
+        return reinterpret_cast<const Scale*>(chunk + nb * (T::QS_BYTES + QH4)) + j;
+    }
+};
+
 template <bool DP4A>
 __device__ __forceinline__ int dot8(const int* w, const int* a) {
     int s = 0;
@@ -222,6 +248,10 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arri
 // The calling thread arrives and announces `bytes` of bulk copies that complete the phase.
 __device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// The calling thread arrives (release: what it read or wrote before is ordered before the phase completes).
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     asm volatile(

@@ -475,7 +475,7 @@ mmq_wgmma(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __r
 #endif
 
 // ---- gemv -------------------------------------------------------------------------------------
-// M == 1: a warp per weight row of the split layout, lanes over K blocks, 16-byte loads of weights and
+// M == 1: a warp per weight row (chunked rows, common.cuh), lanes over K blocks, 16-byte loads of weights and
 // activations.  Software-pipelined: a lane issues the loads of its next GEMV_U weight blocks before it
 // computes the current ones, so 2 * GEMV_U blocks a lane are in flight, and the first ones go out
 // before the kernel waits for the quantized activations.  Programmatic dependent launch both ways
@@ -486,57 +486,51 @@ mmq_wgmma(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __r
 #define GEMV_U 2
 #endif
 template <typename T>
-struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of them)
+struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of them) of a row of chunks
+    using R = ChunkedRows<T>;
     static constexpr bool KEEP_L1 = T::QS_BYTES == 32;  // see load_once
     int4 w[GEMV_U][T::QS_BYTES / 16];
     typename T::Scale d[GEMV_U];
     unsigned h[GEMV_U];
-    __device__ __forceinline__ void load(const int4* wrow, const typename T::Scale* drow, const unsigned* hrow, int kb0,
-                                         int KB) {
+    // kb0 = lane + 64 i: its GEMV_U blocks, 32 apart, all lie in chunk i (the chunk's parts found once)
+    static_assert(WARP * GEMV_U == CHUNK_BLOCKS, "a lane's step of blocks is one chunk");
+    __device__ __forceinline__ void load(const u8* row, int kb0, int KB) {
+        const unsigned j0 = unsigned(kb0) % CHUNK_BLOCKS, first = unsigned(kb0) - j0;
+        const int nb = min(CHUNK_BLOCKS, KB - int(first));
+        const u8* chunk = row + (size_t)(first / CHUNK_BLOCKS) * R::CHUNK;
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
-            const int kb = kb0 + u * WARP;
-            if (kb < KB) {
+            const int j = int(j0) + u * WARP;
+            if (kb0 + u * WARP < KB) {
 #pragma unroll
                 for (int v = 0; v < T::QS_BYTES / 16; ++v)
-                    w[u][v] = load_once<KEEP_L1>(wrow + ((size_t)kb * (T::QS_BYTES / 16) + v));
-                d[u] = load_once<KEEP_L1>(drow + kb);
-                if constexpr (T::QH) h[u] = load_once<KEEP_L1>(hrow + kb);
+                    w[u][v] = load_once<KEEP_L1>(reinterpret_cast<const int4*>(R::qs(chunk, j)) + v);
+                d[u] = load_once<KEEP_L1>(R::d(chunk, nb, j));
+                if constexpr (T::QH) h[u] = load_once<KEEP_L1>(R::qh(chunk, nb, j));
                 else h[u] = 0;
             }
         }
     }
 };
 
-// The split weight planes of one type: quants (QS_BYTES a block), scales (T::Scale a block) and, for
-// the 5-bit formats, fifth bits (a uint32 a block; any pointer otherwise).
-template <typename T>
-struct SplitWeights {
-    const u8* __restrict__ qs;
-    const typename T::Scale* __restrict__ d;
-    const unsigned* __restrict__ qh;
-};
-
 // The weight stream: a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in flight; each
 // unpacked weight block serves the batch's rows (up to MT, read through L1/L2, as llama.cpp's MMVQ does).
-// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.
+// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.  Weights: chunked rows (common.cuh).
 template <typename T, int MT>
-__device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+__device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                           float* __restrict__ Y, int M, int N, int K) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int n = blockIdx.x * (blockDim.x / WARP) + warp;
     if (n >= N) return;
     const int KB = K / QK;
-    const int4* wrow = reinterpret_cast<const int4*>(W.qs + (size_t)n * KB * T::QS_BYTES);
-    const typename T::Scale* drow = W.d + (size_t)n * KB;
-    const unsigned* hrow = W.qh + (size_t)n * KB;
+    const u8* row = W + (size_t)n * ChunkedRows<T>::row_bytes(KB);
     float acc[MT] = {};
     GemvStep<T> cur, nxt;
-    cur.load(wrow, drow, hrow, lane, KB);
+    cur.load(row, lane, KB);
     let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
     wait_for_inputs();        // (both no-ops unless launched dependent: pdl.py)
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
-        nxt.load(wrow, drow, hrow, kb0 + WARP * GEMV_U, KB);
+        nxt.load(row, kb0 + WARP * GEMV_U, KB);
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
             const int kb = kb0 + u * WARP;
@@ -565,45 +559,100 @@ __device__ void gemv_rows(SplitWeights<T> W, const i8* __restrict__ aq, const __
 
 // 2 <= M <= 8: a skinny tensor-core product.  One MMA m16n8k32 takes 16 weight rows as A and 8
 // activation rows as B (more activation tiles per warp, M up to 64, measured slower than mmq: the
-// 4-byte activation fragment loads bind the LSU).  A block of 8 warps takes 16 weight rows; K moves through
-// shared memory SKINNY_KB quant blocks at a time (2-4 buffers): each stage holds the runs of the 16 rows'
-// quants, scales and fifth bits and of the M activation rows and their (d, s), one bulk copy a run on Hopper
-// (cp.async in 16-byte chunks elsewhere: 5-12% slower there at K = 14336); each warp takes every 8th block of
-// the stage, and the warps add in shared memory at the end.  (Fragments straight from global memory, 4 bytes of 8 rows per load, bound the L1: at K = 14336,
-// M = 8 Q5_0 took 90 us, 5x its M = 1 time.)  A nibble format's packed bytes 4t..4t+3 hold k = 4t..
-// (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so the split layout
-// is read as it is, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).
-// Split-K over gridDim.y (when the row blocks alone leave SMs idle) adds into a zeroed Y.
+// 4-byte activation fragment loads bind the LSU).  A block of 8 compute warps takes 16 weight rows; K moves
+// through shared memory a chunk (CHUNK_BLOCKS quant blocks) at a time, in 2-4 buffers: each stage holds the 16
+// rows' chunks and the M activation rows' blocks of the chunk; each warp takes every 8th block of the stage, and
+// the warps add in shared memory at the end.  (Fragments straight from global memory, 4 bytes of 8 rows per load,
+// bound the L1: at K = 14336, M = 8 Q5_0 took 90 us, 5x its M = 1 time.)  A nibble format's packed bytes
+// 4t..4t+3 hold k = 4t.. (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so
+// the quants are read as they are, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).  The
+// code-book formats (IQ4_NL, IQ4_XS, MXFP4) have the same 16 bytes of nibbles a block, each packed word looked up 8
+// codes at a time into the same two registers.  Split-K over gridDim.y (when the row blocks alone leave SMs idle)
+// adds into a zeroed Y.
+//
+// The copies are the cost: a stage is bulk copies (the copy engine, on Hopper), and the engine's rate of copies,
+// not of bytes, bounded this kernel.  A copy a plane and row (quants, scales, fifth bits of 16 weight rows; int8
+// and (d, s) of M activation rows: 48 copies a stage at M = 8) took Q4_0 M = 8, K = 14336 24 us; the same bytes
+// in one copy a plane, 14.8 us (a probe, H100).  So the legacy formats' weights come as chunked rows (one copy a
+// row and stage, common.cuh ChunkedRows): 16 + 2 M copies a stage.  (Activations block-major, two copies a stage,
+// took Q4_0 M = 8 to 18.7 us but made gemv_groups, which reads them by row at M > 1, 3x slower.)
+//
+// A format's part (F): WEIGHTS, the bytes of a stage's 16 weight rows in shared memory; copy(), the copies of
+// them; load(), a thread's two A registers of block kb of a shared row and its scale; epilogue(), MMVQ's block
+// formula.
 template <typename T>
-__device__ __forceinline__ void weight_fragment(const u8* blk, unsigned qh, int t, int* lo, int* hi) {
-    if constexpr (T::QS_BYTES == 16) {
-        nibble_words<T>(*reinterpret_cast<const int*>(blk + 4 * t), qh, t, lo, hi);
-    } else {
-        *lo = *reinterpret_cast<const int*>(blk + 4 * t);
-        *hi = *reinterpret_cast<const int*>(blk + 16 + 4 * t);
+struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked rows
+    using Scale = typename T::Scale;
+    using R = ChunkedRows<T>;
+    // a shared row: a chunk, and 16 bytes so that rows start 4 banks apart (a full chunk is a multiple of 128 bytes)
+    static constexpr int ROW = R::CHUNK + 16, WEIGHTS = 16 * ROW;
+    size_t row_bytes;
+    __device__ SkinnyLegacy(int n0, int KB, int g) : row_bytes(R::row_bytes(KB)) {}
+    template <typename Copy>
+    __device__ void copy(Copy&& f, u8* s, const u8* w0, const u8*, int n0, int rows, int chunk, int nkb) const {
+        f(s, ROW, w0, (size_t)n0 * row_bytes + (size_t)chunk * R::CHUNK, row_bytes, rows, R::chunk_bytes(nkb));
     }
-}
+    __device__ Scale load(const u8* s, bool upper, int r, int nkb, int kb, int t, int* lo, int* hi) const {
+        const u8* row = s + r * ROW;
+        const int v = *reinterpret_cast<const int*>(R::qs(row, kb) + 4 * t);
+        if constexpr (T::QS_BYTES == 16) {
+            nibble_words<T>(v, T::QH ? *R::qh(row, nkb, kb) : 0u, t, lo, hi);
+        } else {
+            *lo = v;
+            *hi = *reinterpret_cast<const int*>(R::qs(row, kb) + 16 + 4 * t);
+        }
+        return *R::d(row, nkb, kb);
+    }
+    __device__ static float epilogue(Scale w, float sumi, __half2 ds) { return split_epilogue<T>(w, sumi, ds); }
+};
+template <typename T>
+struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) and p1 (scales), a copy a plane and row
+    using Scale = float;
+    static constexpr int SC = T::BLOCK_SCALE_BYTES;
+    // a scale run may start anywhere in its 16 bytes (it is copied from the boundary before it): 48 bytes of slack
+    // keep the shared rows' strides at 4 words mod 32
+    static constexpr int QS = CHUNK_BLOCKS * 16 + 16, D = CHUNK_BLOCKS * SC + 48, WEIGHTS = 16 * (QS + D);
+    size_t KB;
+    int dA, dB;  // where rows g and g + 8's scale runs start in their shared rows (the same every stage)
+    __device__ SkinnyCodes(int n0, int KB_, int g) : KB(KB_) {
+        dA = int((size_t)(n0 + g) * KB * SC & 15);
+        dB = int((size_t)(n0 + g + 8) * KB * SC & 15);
+    }
+    template <typename Copy>
+    __device__ void copy(Copy&& f, u8* s, const u8* w0, const u8* w1, int n0, int rows, int chunk, int nkb) const {
+        const size_t at = (size_t)n0 * KB + (size_t)chunk * CHUNK_BLOCKS;
+        f(s, QS, w0, at * 16, KB * 16, rows, nkb * 16);
+        f(s + 16 * QS, D, w1, at * SC, KB * SC, rows, nkb * SC);
+    }
+    __device__ float load(const u8* s, bool upper, int r, int nkb, int kb, int t, int* lo, int* hi) const {
+        const int2 v = T::Codes::lookup(*reinterpret_cast<const unsigned*>(s + r * QS + kb * 16 + 4 * t));
+        *lo = v.x;
+        *hi = v.y;
+        return T::block_scale(s + 16 * QS + r * D + (upper ? dB : dA), kb);
+    }
+    // vec_dot_{iq4_nl,iq4_xs,mxfp4}_q8_1: (d_w d_a) sumi (IQ4_XS's sumi (ls - 32) exact in d_w here)
+    __device__ static float epilogue(float w, float sumi, __half2 ds) { return w * __low2float(ds) * sumi; }
+};
 
 #if defined(QGEMM_BULK) && !defined(SKINNY_CP_ASYNC)  // (-D SKINNY_CP_ASYNC: the cp.async loader on Hopper too)
 #define SKINNY_BULK 1
 #endif
-#ifndef SKINNY_KB
-#define SKINNY_KB 64  // quant blocks a stage: 8 a warp (H100, K = 14336, M = 8: 32 with 3 stages 5-12% slower)
-#endif
+#define SKINNY_KB CHUNK_BLOCKS  // quant blocks a stage (H100, K = 14336, M = 8: 32 with 3 stages 5-12% slower)
+// 8 compute warps and a producer warp (which on Hopper issues the bulk copies; elsewhere it only shares the
+// cp.async copies); launch.py's SKINNY_THREADS mirrors it.
+#define SKINNY_WARPS 8
+#define SKINNY_THREADS ((SKINNY_WARPS + 1) * WARP)
 
-// Byte layout of one stage: a shared row per weight row (16) and per activation row (M), each a plane's run
-// for the stage.  Runs of quants and activations start 16-byte aligned; runs of scales, fifth bits and (d, s)
-// may not (K / 32 blocks a row), so they are copied from the 16-byte boundary before them (the planes are
-// padded at their end, layouts.py) and start at byte (offset & 15) of their shared row.  Strides of 4 words
-// mod 32 (plus the slack of unaligned runs) keep the 8 rows of a fragment load in different banks.
+// Byte layout of one stage: F's WEIGHTS, then a shared row per activation row for its int8 blocks of the chunk, then
+// one for its (d, s).  A (d, s) run may not start 16-byte aligned (K / 32 blocks a row): it is copied from the
+// boundary before it (the array is padded at its end, layouts.py) and starts at byte (offset & 15) of its shared
+// row.  Strides of 4 words mod 32 (plus the slack) keep the rows of a fragment load in different banks.
 // launch.py's skinny_stage mirrors stage(M).
-template <typename T>
+template <typename F>
 struct SkinnySmem {
-    static constexpr int SC = sizeof(typename T::Scale);
-    static constexpr int QS = SKINNY_KB * T::QS_BYTES + 16, D = SKINNY_KB * SC + 48, H = T::QH ? SKINNY_KB * 4 + 48 : 0;
-    static constexpr int A = SKINNY_KB * QK + 16, S = SKINNY_KB * 4 + 48;
-    static constexpr int O_D = 16 * QS, O_H = O_D + 16 * D, O_A = O_H + 16 * H;  // then M rows of A, M of S
-    __device__ static int stage(int M) { return O_A + M * (A + S); }
+    static constexpr int O_A = F::WEIGHTS, A = SKINNY_KB * QK + 16, S = SKINNY_KB * 4 + 48;
+    __device__ static int o_s(int M) { return O_A + M * A; }
+    __device__ static int stage(int M) { return o_s(M) + M * S; }
 };
 
 // Copy `rows` runs of `bytes` bytes (run r at byte off0 + r * row_bytes of src) into shared rows of `stride`
@@ -641,93 +690,44 @@ __device__ __forceinline__ void cp_async_wait_stages(int stages) {
     else cp_async_wait<1>();
 }
 
-// `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py)
-template <typename T>
-__device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
-                       float* __restrict__ Y, int M, int N, int K, int chunks_per_split, int stages, u8* buf) {
-    using Scale = typename T::Scale;
-    using L = SkinnySmem<T>;
-    constexpr int SC = L::SC;
-    __shared__ float red[8][4][WARP];
+// `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py); w0, w1: F's
+// weight arrays (the chunked rows, or planes p0 and p1)
+template <typename F>
+__device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, const i8* __restrict__ aq,
+                       const __half2* __restrict__ ads, float* __restrict__ Y, int M, int N, int K,
+                       int chunks_per_split, int stages, u8* buf) {
+    using Scale = typename F::Scale;
+    using L = SkinnySmem<F>;
+    __shared__ float red[SKINNY_WARPS][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16, KB = K / QK, rows = min(16, N - n0);
     const int c0 = blockIdx.y * chunks_per_split, chunks = min((KB + SKINNY_KB - 1) / SKINNY_KB - c0, chunks_per_split);
-    const int STAGE = L::stage(M), O_S = L::O_A + M * L::A;
+    const int STAGE = L::stage(M), O_S = L::o_s(M);
     const int m0 = 2 * t, m1 = m0 + 1;
     const bool okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
-    // where each run a thread reads starts in its shared row (the same for every stage: SKINNY_KB * SC is a
-    // multiple of 16)
-    const size_t rowA = (size_t)(n0 + g) * KB, rowB = rowA + 8 * (size_t)KB;
-    const int dA = int(rowA * SC & 15), dB = int(rowB * SC & 15), hA = int(rowA * 4 & 15), hB = int(rowB * 4 & 15);
-    const int s0off = int((size_t)m0 * KB * 4 & 15), s1off = int((size_t)m1 * KB * 4 & 15);
+    const F fmt(n0, KB, g);
+    const int s0off = int((size_t)m0 * KB * 4 & 15), s1off = int((size_t)m1 * KB * 4 & 15);  // (d, s) runs' starts
 
-    // f(shared rows, their stride, plane, first run's byte offset, bytes from run to run, runs, bytes a run) for
-    // each plane's runs of stage c of this split
-    auto for_planes = [&](int c, auto&& f) {
+    // f(shared rows, their stride, array, first run's byte offset, bytes from run to run, runs, bytes a run) for
+    // each run of stage c of this split
+    auto for_runs = [&](int c, auto&& f) {
         u8* s = buf + (c % stages) * STAGE;
         const int kb0 = (c0 + c) * SKINNY_KB, nkb = min(SKINNY_KB, KB - kb0);
-        const size_t wrow = (size_t)n0 * KB + kb0;
-        f(s, L::QS, W.qs, wrow * T::QS_BYTES, (size_t)KB * T::QS_BYTES, rows, nkb * T::QS_BYTES);
-        f(s + L::O_D, L::D, W.d, wrow * SC, (size_t)KB * SC, rows, nkb * SC);
-        if constexpr (T::QH) f(s + L::O_H, L::H, W.qh, wrow * 4, (size_t)KB * 4, rows, nkb * 4);
+        fmt.copy(f, s, w0, w1, n0, rows, c0 + c, nkb);
         f(s + L::O_A, L::A, aq, (size_t)kb0 * QK, (size_t)K, M, nkb * QK);
         f(s + O_S, L::S, ads, (size_t)kb0 * 4, (size_t)KB * 4, M, nkb * 4);
     };
-#ifdef SKINNY_BULK  // Hopper: warp 0 hands each run to the copy engine; stage c's buffer completes on bars[c % stages]
-    __shared__ __align__(8) unsigned long long bars[4];
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < stages; ++i) mbar_init(bars + i, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the copy engine
-    }
-    __syncthreads();
-    auto load = [&](int c) {  // by warp 0
-        unsigned long long* bar = bars + c % stages;
-        unsigned bytes = 0;
-        for_planes(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
-            bytes += bulk_runs(d, st, p, o, rb, n, b, bar, false);
-        });
-        bytes = __reduce_add_sync(0xffffffffu, bytes);
-        if (lane == 0) mbar_expect(bar, bytes);
-        __syncwarp();
-        for_planes(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
-            bulk_runs(d, st, p, o, rb, n, b, bar, true);
-        });
-    };
-    if (warp == 0)
-        for (int c = 0; c < stages - 1 && c < chunks; ++c) load(c);
-#else  // cp.async: every thread its share of the chunks
-    auto load = [&](int c) { for_planes(c, stage_runs); };
-    for (int c = 0; c < stages - 1; ++c) {
-        if (c < chunks) load(c);
-        cp_async_commit();
-    }
-#endif
-
     float acc[4] = {};
-    for (int c = 0; c < chunks; ++c) {
-#ifdef SKINNY_BULK
-        if (warp == 0 && c + stages - 1 < chunks) load(c + stages - 1);  // into the buffer freed at the end of c - 1
-        mbar_wait(bars + c % stages, (c / stages) & 1);
-#else
-        if (c + stages - 1 < chunks) load(c + stages - 1);
-        cp_async_commit();
-        cp_async_wait_stages(stages);
-        __syncthreads();
-#endif
+    auto compute = [&](int c) {  // a compute warp's blocks of stage c: every SKINNY_WARPS-th, from its own
         const u8* s = buf + (c % stages) * STAGE;
         const int nkb = min(SKINNY_KB, KB - (c0 + c) * SKINNY_KB);
 #pragma unroll
-        for (int j = 0; j < SKINNY_KB / 8; ++j) {
-            const int kb = warp + 8 * j;
+        for (int j = 0; j < SKINNY_KB / SKINNY_WARPS; ++j) {
+            const int kb = warp + SKINNY_WARPS * j;
             if (kb >= nkb) break;
             int a[4], b[2] = {0, 0};
-            const unsigned qA = T::QH ? *reinterpret_cast<const unsigned*>(s + L::O_H + g * L::H + hA + 4 * kb) : 0u;
-            const unsigned qB = T::QH ? *reinterpret_cast<const unsigned*>(s + L::O_H + (g + 8) * L::H + hB + 4 * kb)
-                                      : 0u;
-            weight_fragment<T>(s + g * L::QS + kb * T::QS_BYTES, qA, t, &a[0], &a[2]);
-            weight_fragment<T>(s + (g + 8) * L::QS + kb * T::QS_BYTES, qB, t, &a[1], &a[3]);
-            const Scale wA = *reinterpret_cast<const Scale*>(s + L::O_D + g * L::D + dA + SC * kb);
-            const Scale wB = *reinterpret_cast<const Scale*>(s + L::O_D + (g + 8) * L::D + dB + SC * kb);
+            const Scale wA = fmt.load(s, false, g, nkb, kb, t, &a[0], &a[2]);
+            const Scale wB = fmt.load(s, true, g + 8, nkb, kb, t, &a[1], &a[3]);
             if (okG) {
                 const u8* ar = s + L::O_A + g * L::A + kb * QK + 4 * t;
                 b[0] = *reinterpret_cast<const int*>(ar);
@@ -740,20 +740,73 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
             int d[4];
             mma_s8_const<MAGIC_I>(d, a, b);
             // d0: (weight row n0+g, act m0), d1: (n0+g, m1), d2: (n0+g+8, m0), d3: (n0+g+8, m1)
-            acc[0] += split_epilogue<T>(wA, magic_to_float(d[0]), sa0);
-            acc[1] += split_epilogue<T>(wA, magic_to_float(d[1]), sa1);
-            acc[2] += split_epilogue<T>(wB, magic_to_float(d[2]), sa0);
-            acc[3] += split_epilogue<T>(wB, magic_to_float(d[3]), sa1);
+            acc[0] += F::epilogue(wA, magic_to_float(d[0]), sa0);
+            acc[1] += F::epilogue(wA, magic_to_float(d[1]), sa1);
+            acc[2] += F::epilogue(wB, magic_to_float(d[2]), sa0);
+            acc[3] += F::epilogue(wB, magic_to_float(d[3]), sa1);
         }
+    };
+#ifdef SKINNY_BULK
+    // Hopper: warp SKINNY_WARPS is the producer.  It hands each run of stage c to the copy engine, completing on
+    // full[c % stages], once the compute warps have released that buffer's previous stage on empty[c % stages]
+    // (an arrival a warp).  So no barrier a stage: each compute warp waits only for its data.  (With a barrier a
+    // stage and warp 0 issuing the copies, the warps stalled 40% of their cycles on it: ncu, Q4_0 M = 8,
+    // K = 14336; without it they wait on the data instead: 3% faster at K = 14336, 3% slower at 4096.)
+    __shared__ __align__(8) unsigned long long full[4], empty[4];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; ++i) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, SKINNY_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // seen by the copy engine
+    }
+    __syncthreads();
+    if (warp == SKINNY_WARPS) {
+        for (int c = 0; c < chunks; ++c) {
+            unsigned long long* bar = full + c % stages;
+            if (c >= stages) mbar_wait(empty + c % stages, (c / stages - 1) & 1);
+            unsigned bytes = 0;
+            for_runs(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
+                bytes += bulk_runs(d, st, p, o, rb, n, b, bar, false);
+            });
+            bytes = __reduce_add_sync(0xffffffffu, bytes);
+            if (lane == 0) mbar_expect(bar, bytes);
+            __syncwarp();
+            for_runs(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
+                bulk_runs(d, st, p, o, rb, n, b, bar, true);
+            });
+        }
+    } else {
+        for (int c = 0; c < chunks; ++c) {
+            mbar_wait(full + c % stages, (c / stages) & 1);
+            compute(c);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + c % stages);
+        }
+    }
+#else  // cp.async: every thread (the producer warp too) its share of the chunks, a barrier a stage
+    for (int c = 0; c < stages - 1; ++c) {
+        if (c < chunks) for_runs(c, stage_runs);
+        cp_async_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+        if (c + stages - 1 < chunks) for_runs(c + stages - 1, stage_runs);
+        cp_async_commit();
+        cp_async_wait_stages(stages);
+        __syncthreads();
+        if (warp < SKINNY_WARPS) compute(c);
         __syncthreads();  // the buffer is loaded again next
     }
+#endif
+    if (warp < SKINNY_WARPS) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) red[warp][e][lane] = acc[e];
+        for (int e = 0; e < 4; ++e) red[warp][e][lane] = acc[e];
+    }
     __syncthreads();
     if (warp < 4) {  // warp e finishes value e of every lane
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) sum += red[w][warp][lane];
+        for (int w = 0; w < SKINNY_WARPS; ++w) sum += red[w][warp][lane];
         const int n = n0 + g + ((warp < 2) ? 0 : 8), m = 2 * t + (warp & 1);
         if (n < N && m < M) {
             if (gridDim.y > 1) atomicAdd(Y + (size_t)m * N + n, sum);
@@ -764,21 +817,19 @@ __device__ void skinny(SplitWeights<T> W, const i8* __restrict__ aq, const __hal
 
 #define FAST(t, T)                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
-        gemv1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y,   \
-                  int N, int K) {                                                                               \
-        gemv_rows<T, 1>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, 1, N, K);                                 \
+        gemv1_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int N, int K) {                      \
+        gemv_rows<T, 1>(w, aq, ads, Y, 1, N, K);                                                                \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256)                                                           \
-        skinny1_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads, float* Y, \
-                    int M, int N, int K, int chunks_per_split, int stages) {                                    \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 2)                                             \
+        skinny1_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int M, int N, int K,               \
+                    int chunks_per_split, int stages) {                                                         \
         extern __shared__ __align__(128) char smem[];                                                           \
-        skinny<T>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K, chunks_per_split, stages,    \
-                  reinterpret_cast<u8*>(smem));                                                                 \
+        skinny<SkinnyLegacy<T>>(w, nullptr, aq, ads, Y, M, N, K, chunks_per_split, stages,                      \
+                                reinterpret_cast<u8*>(smem));                                                   \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
-        gemv_rows_##t(const u8* wq, const void* wd, const unsigned* wh, const i8* aq, const __half2* ads,       \
-                      float* Y, int M, int N, int K) {                                                          \
-        gemv_rows<T, 8>({wq, static_cast<const T::Scale*>(wd), wh}, aq, ads, Y, M, N, K);                       \
+        gemv_rows_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int M, int N, int K) {           \
+        gemv_rows<T, 8>(w, aq, ads, Y, M, N, K);                                                                \
     }
 QGEMM_FOR_FAST_TYPES(FAST)
 
@@ -891,3 +942,15 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
         gemv_groups<T, 8, 1, 1>({p0, p1, p2, p3, p4}, aq, ads, Y, M, N, K);                                     \
     }
 QGEMM_FOR_GROUPED_TYPES(GEMV_GROUPS)
+
+// The code-book formats at M = 5..8 (launch.py SKINNY_CODES_MIN_M; gemv_rows_<type> below that): the skinny MMA above
+// on planes p0 and p1 (wh unused), their nibbles looked up as they are read (SkinnyCodes)
+#define SKINNY_CODES(t, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 2)                                             \
+        skinny1_##t(const u8* p0, const u8* p1, const i8* aq, const __half2* ads, float* Y, int M, int N, int K, \
+                    int chunks_per_split, int stages) {                                                         \
+        extern __shared__ __align__(128) char smem[];                                                           \
+        skinny<SkinnyCodes<T>>(p0, p1, aq, ads, Y, M, N, K, chunks_per_split, stages,                           \
+                               reinterpret_cast<u8*>(smem));                                                    \
+    }
+QGEMM_FOR_CODEBOOK_TYPES(SKINNY_CODES)

@@ -32,22 +32,27 @@ __device__ __forceinline__ int2 lookup16x8(unsigned q, unsigned t0, unsigned t1,
     const unsigned b = __byte_perm(__byte_perm(t0, t1, idx >> 16), __byte_perm(t2, t3, idx >> 16), pick >> 16);
     return make_int2(int(__byte_perm(a, b, 0x6420u)), int(__byte_perm(a, b, 0x7531u)));
 }
-// 16 bytes of nibbles (byte l: value l low, value l + 16 high) through a code book
-template <unsigned T0, unsigned T1, unsigned T2, unsigned T3>
-__device__ __forceinline__ void nibble_table_words(const u8* qs, int* w) {
-    const int4 v = __ldg(reinterpret_cast<const int4*>(qs));
-    const int p[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int2 r = lookup16x8(unsigned(p[i]), T0, T1, T2, T3);
-        w[i] = r.x;
-        w[i + 4] = r.y;
-    }
-}
 // kvalues_iq4nl {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} and kvalues_mxfp4
 // (E2M1 times 2) {0, 1, 2, 3, 4, 6, 8, 12, -0, -1, -2, -3, -4, -6, -8, -12}, 4 bytes a word
 #define IQ4NL_TABLE 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
 #define MXFP4_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+
+// A 16-entry int8 code book packed in 4 words: 8 codes at a time (lookup), or 16 bytes of nibbles (byte l: value l
+// low, value l + 16 high) to the 32 values' words (words)
+template <unsigned T0, unsigned T1, unsigned T2, unsigned T3>
+struct CodeBook {
+    __device__ static __forceinline__ int2 lookup(unsigned q) { return lookup16x8(q, T0, T1, T2, T3); }
+    __device__ static __forceinline__ void words(const u8* qs, int* w) {
+        const int4 v = __ldg(reinterpret_cast<const int4*>(qs));
+        const int p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int2 r = lookup(unsigned(p[i]));
+            w[i] = r.x;
+            w[i + 4] = r.y;
+        }
+    }
+};
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4) from the 12 scale bytes q
 // without a branch: a warp's lanes hold sub-blocks 0-7, so both sides of `j < 4` ran, each with its own loads
@@ -154,15 +159,24 @@ struct Q6_K {
     }
 };
 
+// The code-book formats are also read by fast.cu's skinny MMA (SkinnyCodes; launch.py says from which M): 16 bytes
+// of nibbles a 32-value block in plane p0, in order along a row, and BLOCK_SCALE_BYTES of plane p1 a block on
+// average, from whose run in shared memory block_scale(run, kb) gives block kb's MMVQ scale (times d_a * sumi).
+
 // Planes: p0 qs [16], p1 d
 struct IQ4_NL {
     static constexpr int SUBS = 1;
     static constexpr int LOOKAHEAD = 4;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
+    using Codes = CodeBook<IQ4NL_TABLE>;
+    static constexpr int BLOCK_SCALE_BYTES = 2;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
-        nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 16, w);
+        Codes::words(P.p0 + s * 16, w);
         sc[0] = ldg_half(P.p1 + 2 * s);
+    }
+    __device__ static float block_scale(const u8* run, int kb) {
+        return __half2float(reinterpret_cast<const __half*>(run)[kb]);
     }
 };
 
@@ -173,11 +187,18 @@ struct IQ4_XS {
     static constexpr int LOOKAHEAD = 4;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
-    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float*) {
-        nibble_table_words<IQ4NL_TABLE>(P.p0 + s * 128 + 16 * j, w);
-        const uint2 head = __ldg(reinterpret_cast<const uint2*>(P.p1) + s);  // scales_l's nibble j: bits 4j of y
+    using Codes = CodeBook<IQ4NL_TABLE>;
+    static constexpr int BLOCK_SCALE_BYTES = 1;  // an 8-byte head a super-block of 8 blocks
+    __device__ static float scale(uint2 head, int j) {  // d * (ls - 32); scales_l's nibble j: bits 4j of y
         const int ls = int(((head.y >> (4 * j)) & 0xF) | (((head.x >> (16 + 2 * j)) & 3) << 4));
-        sc[0] = half_of(head.x, 0) * float(ls - 32);
+        return half_of(head.x, 0) * float(ls - 32);
+    }
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float*) {
+        Codes::words(P.p0 + s * 128 + 16 * j, w);
+        sc[0] = scale(__ldg(reinterpret_cast<const uint2*>(P.p1) + s), j);
+    }
+    __device__ static float block_scale(const u8* run, int kb) {
+        return scale(reinterpret_cast<const uint2*>(run)[kb >> 3], kb & 7);
     }
 };
 
@@ -190,12 +211,16 @@ struct MXFP4 {
     static constexpr int LOOKAHEAD = 4;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = false;
+    using Codes = CodeBook<MXFP4_TABLE>;
+    static constexpr int BLOCK_SCALE_BYTES = 1;
     __device__ static void decode(const GPlanes& P, size_t s, int, int* w, float* sc, float*) {
-        nibble_table_words<MXFP4_TABLE>(P.p0 + s * 16, w);
+        Codes::words(P.p0 + s * 16, w);
         sc[0] = e8m0_to_float(__ldg(P.p1 + s)) * 0.5f;
     }
+    __device__ static float block_scale(const u8* run, int kb) { return e8m0_to_float(run[kb]) * 0.5f; }
 };
 
 #define QGEMM_FOR_GROUPED_TYPES(MACRO)                                                                          \
     MACRO(q2_k, Q2_K) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)                \
     MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)
+#define QGEMM_FOR_CODEBOOK_TYPES(MACRO) MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)

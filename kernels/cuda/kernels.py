@@ -25,16 +25,20 @@ from kernels.cuda.launch import (
     MMQ_THREADS,
     MMQ_WGMMA_SMEM,
     SKINNY_ROWS,
+    SKINNY_THREADS,
     cdiv,
+    codes_take_skinny,
     groups_split,
     mmq_splits,
     mmq_tiles,
     skinny_chunks,
     skinny_stage,
     skinny_stages,
+    skinny_weights,
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
 from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
+from kernels.groups import GROUPED
 from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
 
@@ -178,7 +182,8 @@ class Gemv(CudaKernel):
     """M <= 8 on the split layout: M = 1 a warp per weight row (dp4a), launched dependent on its quantize kernel
     (pdl.py); 2..8 the skinny int8 MMA (fast.cu's skinny: K staged through shared memory, split over blocks when
     the 16-row blocks leave SMs idle), or (`rows_reuse`) the M = 1 stream with each weight block reused for
-    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count."""
+    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count, except the code-book
+    formats (groups.py `skinny`) from SKINNY_CODES_MIN_M rows, which the skinny MMA takes."""
 
     rows_reuse: bool = False
 
@@ -188,19 +193,24 @@ class Gemv(CudaKernel):
         t, grouped = suffix(type_name), "p0" in w
         if grouped:  # a grouped format's field planes; unused planes: any pointer, never read
             planes = tuple(w.get(f"p{i}", w["p0"]) for i in range(5))
-        else:  # formats without fifth bits: any pointer for qh, never read
-            planes = (w["qs"], w["d"], w.get("qh", w["qs"]))
+        else:  # a legacy format's chunked rows (layouts.CHUNKED)
+            planes = (w["w"],)
         rows = (acts["qs"], acts["ds"], y, I32(m), I32(n), I32(k))
         if m == 1 and (grouped or not self.rows_reuse):  # it may start during the quantize kernel (pdl.py)
             split = groups_split(type_name) if grouped else 1
             name = f"gemv1_{t}_s{split}" if grouped else f"gemv1_{t}"
             pdl.launch(mods.function(self.source, name), (cdiv(n, 8 // split),), (256,),
                        (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
-        elif grouped or self.rows_reuse:  # grouped formats reuse each decoded sub-block for every row already
+        elif self.rows_reuse or (grouped and not (GROUPED[type_name].skinny and codes_take_skinny(m))):
+            # each decoded block serves every row
             mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
         else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA, staged through shared memory
-            blocks = n * (k // QK)
-            stage = skinny_stage(w["qs"].nbytes // blocks, w["d"].nbytes // blocks, "qh" in w, m)
+            if grouped:  # a code-book format's quants and scales: planes p0 and p1 (groups.py `skinny`)
+                planes = planes[:2]
+                weights = skinny_weights(scale_bytes=planes[1].nbytes // (n * (k // QK)))
+            else:
+                weights = skinny_weights(block_bytes=format_of(type_name).block_bytes)
+            stage = skinny_stage(weights, m)
             stages = skinny_stages(stage)
             per, splits = skinny_chunks(mods.sm_count, n, k)
             if splits > 1:
@@ -208,7 +218,7 @@ class Gemv(CudaKernel):
             fn = mods.function(self.source, f"skinny1_{t}")
             if fn.max_dynamic_shared_size_bytes < stages * stage:
                 fn.max_dynamic_shared_size_bytes = stages * stage  # over the 48 KiB default
-            fn((cdiv(n, SKINNY_ROWS), splits), (256,), (*planes, *rows, I32(per), I32(stages)),
+            fn((cdiv(n, SKINNY_ROWS), splits), (SKINNY_THREADS,), (*planes, *rows, I32(per), I32(stages)),
                shared_mem=stages * stage)
 
 
@@ -337,16 +347,18 @@ register(Mmq(
                 "warpgroups, m64n64k32 per quant block with operands read from shared memory by descriptor; the bias "
                 "made by a second wgmma on constant tiles; one block's epilogue overlapping the next block's MMAs)"))
 register(Gemv(
-    name="gemv", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT, min_cc=80,
+    name="gemv", activation_format="q8_1_mmvq", source="fast.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT, min_cc=80,
     max_m=8, weight_types=QUANT_TYPES, auto_rank=0,
     description="M <= 8 on the split weight layout: M = 1 a warp per weight row streaming 16-byte loads with several "
                 "in flight (dp4a; Q2_K and Q5_K split a row's K over 2 and 4 warps), started during the quantize "
                 "kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
                 "rows x 8 activation rows), K staged through shared memory 64 quant blocks at a time (bulk copies on "
                 "sm_90+, cp.async otherwise) and split across the block's warps, and across blocks when the rows "
-                "leave SMs idle"))
+                "leave SMs idle: the legacy formats, and IQ4_NL, IQ4_XS and MXFP4 from 5 rows (codes looked up 8 at a "
+                "time); the other grouped formats (and those below 5 rows) a warp per weight row, each decoded "
+                "sub-block reused for every activation row"))
 register(Gemv(
-    name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.SPLIT, acts=L.Q8_1_SPLIT,
+    name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT,
     min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,
     description="M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per weight row, several 16-byte "
                 "loads in flight, dp4a) with each weight block reused for every activation row"))

@@ -48,15 +48,43 @@ def groups_split(type_name: str) -> int:
     return GROUPS_SPLIT.get(type_name, 1)
 
 
-SKINNY_KB, SKINNY_ROWS = 64, 16  # as fast.cu: quant blocks a stage, weight rows a block
+CHUNK_BLOCKS = 64  # common.cuh: K's chunk in gemv's layouts, and the skinny kernel's stage
+SKINNY_KB, SKINNY_ROWS, SKINNY_THREADS = CHUNK_BLOCKS, 16, 288  # as fast.cu: quant blocks a stage, weight rows, threads
+# The code-book formats (IQ4_NL, IQ4_XS, MXFP4) take the skinny MMA from this many rows, gemv_groups below it: its
+# cost hardly moves with M, gemv_groups' grows by a weight pass a row (H100, N = 4096, K = 14336, IQ4_NL: skinny
+# 27.5 / 28.3 / 29.7 us at M = 2 / 4 / 8, gemv_groups 19.1 / 27.0 / 43.1; kernels-at-the-limit.md, fifth session)
+SKINNY_CODES_MIN_M = 5
+
+
+def codes_take_skinny(m: int) -> bool:
+    """Whether a code-book format's product of m activation rows (2..8) runs the skinny MMA."""
+    return m >= SKINNY_CODES_MIN_M
 SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
 
 
-def skinny_stage(qs_bytes: int, scale_bytes: int, fifth_bits: bool, m: int) -> int:
-    """SkinnySmem<T>::stage(M): 16 weight rows' runs of quants, scales (and fifth bits), M activation rows' runs
-    of int8 and (d, s), each shared row padded as fast.cu says."""
-    qs, d, h = SKINNY_KB * qs_bytes + 16, SKINNY_KB * scale_bytes + 48, SKINNY_KB * 4 + 48 if fifth_bits else 0
-    return SKINNY_ROWS * (qs + d + h) + m * (SKINNY_KB * QK + 16 + SKINNY_KB * 4 + 48)
+def chunk_bytes(block_bytes: int, blocks: int) -> int:
+    """common.cuh ChunkedRows::chunk_bytes: a chunk of `blocks` legacy blocks (quants, fifth bits, scales), padded
+    to 16 bytes."""
+    return cdiv(blocks * block_bytes, 16) * 16
+
+
+def chunked_row_bytes(block_bytes: int, kb: int) -> int:
+    """ChunkedRows::row_bytes: a weight row of kb blocks as chunks."""
+    return (kb // CHUNK_BLOCKS) * CHUNK_BLOCKS * block_bytes + chunk_bytes(block_bytes, kb % CHUNK_BLOCKS)
+
+
+def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None) -> int:
+    """A stage's 16 weight rows in the skinny kernel's shared memory (fast.cu F::WEIGHTS): a legacy format's chunks
+    (`block_bytes`), or a code-book format's quants and scales (`scale_bytes` a block), each row padded."""
+    if block_bytes is not None:
+        return SKINNY_ROWS * (CHUNK_BLOCKS * block_bytes + 16)
+    return SKINNY_ROWS * ((CHUNK_BLOCKS * 16 + 16) + (CHUNK_BLOCKS * scale_bytes + 48))
+
+
+def skinny_stage(weights: int, m: int) -> int:
+    """SkinnySmem<F>::stage(M): the weights, then M shared rows of int8 activations and M of their (d, s), each
+    padded as fast.cu says."""
+    return weights + m * (SKINNY_KB * QK + 16 + SKINNY_KB * 4 + 48)
 
 
 def skinny_stages(stage: int) -> int:

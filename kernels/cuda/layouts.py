@@ -14,7 +14,18 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kernels.cuda.launch import I64, MMQ_BKB, MMQ_BM, MMQ_BN, cdiv, mmq_tiles, quantize_mmq_kernel, quantize_mmq_warps
+from kernels.cuda.launch import (
+    CHUNK_BLOCKS,
+    I64,
+    MMQ_BKB,
+    MMQ_BM,
+    MMQ_BN,
+    cdiv,
+    chunked_row_bytes,
+    mmq_tiles,
+    quantize_mmq_kernel,
+    quantize_mmq_warps,
+)
 from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
 from kernels.kernel import Layout
 
@@ -72,7 +83,7 @@ class SplitPlanes(WeightLayout):
         if _format(type_name).grouped:
             from kernels.groups import field_planes
 
-            return {f"p{i}": cupy.asarray(p) for i, p in enumerate(field_planes(type_name, raw))}
+            return {f"p{i}": _padded(p.shape, p.dtype, p) for i, p in enumerate(field_planes(type_name, raw))}
         from kernels.reference import block_fields
 
         head, qh, qs = block_fields(type_name, raw)
@@ -195,8 +206,43 @@ def _upload_bytes(raw: Any) -> Any:
     return cupy.asarray(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
 
 
+class ChunkedRows(WeightLayout):
+    """gemv's layout: a legacy format's rows as chunks of CHUNK_BLOCKS blocks, each chunk's quants, fifth bits and
+    scales together (common.cuh ChunkedRows; one copy a row and stage for the skinny kernel); a grouped format's
+    fields each in its own plane (groups.cuh decodes them)."""
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        fmt = _format(type_name)
+        return n * (fmt.row_bytes(k) if fmt.grouped else chunked_row_bytes(fmt.block_bytes, k // QK))
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        if _format(type_name).grouped:
+            return SPLIT.make(mods, type_name, raw, n, k)
+        rows = chunked_rows(type_name, raw)
+        return {"w": _padded(rows.shape, rows.dtype, rows)}
+
+
+def chunked_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """Raw GGUF rows of a legacy format (uint8 [N, row_bytes]) as ChunkedRows: uint8 [N, chunked_row_bytes]."""
+    from kernels.reference import block_fields
+
+    head, qh, qs = block_fields(type_name, raw)
+    n, kb = qs.shape[:2]
+    block = _format(type_name).block_bytes
+    out = np.zeros((n, chunked_row_bytes(block, kb)), np.uint8)
+    for first in range(0, kb, CHUNK_BLOCKS):
+        nb = min(CHUNK_BLOCKS, kb - first)
+        parts = [qs[:, first:first + nb], qh[:, first:first + nb] if qh is not None else None,
+                 head[:, first:first + nb].view(np.uint8)]
+        chunk = np.concatenate([p.reshape(n, -1) for p in parts if p is not None], axis=1)
+        at = (first // CHUNK_BLOCKS) * CHUNK_BLOCKS * block
+        out[:, at:at + chunk.shape[1]] = chunk
+    return out
+
+
 GGUF = GgufBlocks("gguf")
 SPLIT = SplitPlanes("split")
+CHUNKED = ChunkedRows("chunked")
 MMQ = MmqTiles("mmq")
 F16 = FloatMatrix("f16")
 F32 = FloatMatrix("f32")
