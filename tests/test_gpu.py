@@ -72,7 +72,7 @@ def weights_bank():
 
 # llama.cpp's MMQ activations: d_a in float, or a half (with the block sums: formats with a minimum)
 MMQ_LAYOUTS = {"mmq_d4": "D4", "mmq_ds4": "DS4", "mmq_ds4s": "DS4"}
-LAYOUTS = ["blocks", "split", *MMQ_LAYOUTS]
+LAYOUTS = ["blocks", "split", "split_chunks", *MMQ_LAYOUTS]
 
 
 def compare_quantize(backend, x: np.ndarray, layout: str) -> None:

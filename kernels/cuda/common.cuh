@@ -210,6 +210,23 @@ struct ChunkedRows {
     }
 };
 
+// The skinny kernel's split activations (q8_1.cu quantize_q8_1_split with `chunked`; layouts.py Q8_1Split): int8
+// quants and half2 (d, s) apart, K in chunks of CHUNK_BLOCKS blocks; chunk c holds the M rows' parts one after
+// another, padded (ACT_ROW = 2048 + 16 bytes of quants, ACT_DS_ROW = 64 + 4 (d, s)), so that a stage's activations are
+// two copies whatever M, into shared rows that start 4 banks apart.  The warp-a-row kernels read them by row
+// ([M, K] and [M, K / 32]): chunked and padded parts cost them 8-13% at M > 1 (one more 128-byte line a warp load),
+// and an XOR swizzle instead of the padding more, in address arithmetic.
+#define ACT_ROW (CHUNK_BLOCKS * QK + 16)
+#define ACT_DS_ROW (CHUNK_BLOCKS + 4)
+__device__ __forceinline__ size_t act_q(int r, int kb, int M) {  // the byte offset of row r's block kb
+    const int c = kb / CHUNK_BLOCKS;
+    return ((size_t)c * M + r) * ACT_ROW + (size_t)(kb - c * CHUNK_BLOCKS) * QK;
+}
+__device__ __forceinline__ size_t act_ds(int r, int kb, int M) {  // the index of row r's block kb's (d, s)
+    const int c = kb / CHUNK_BLOCKS;
+    return ((size_t)c * M + r) * ACT_DS_ROW + (kb - c * CHUNK_BLOCKS);
+}
+
 template <bool DP4A>
 __device__ __forceinline__ int dot8(const int* w, const int* a) {
     int s = 0;

@@ -515,7 +515,8 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
 
 // The weight stream: a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in flight; each
 // unpacked weight block serves the batch's rows (up to MT, read through L1/L2, as llama.cpp's MMVQ does).
-// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.  Weights: chunked rows (common.cuh).
+// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.  Weights: chunked rows (common.cuh); activations:
+// split by row (the chunked, padded ones are the skinny kernel's: layouts.py Q8_1Split).
 template <typename T, int MT>
 __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                           float* __restrict__ Y, int M, int N, int K) {
@@ -574,8 +575,9 @@ __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, c
 // not of bytes, bounded this kernel.  A copy a plane and row (quants, scales, fifth bits of 16 weight rows; int8
 // and (d, s) of M activation rows: 48 copies a stage at M = 8) took Q4_0 M = 8, K = 14336 24 us; the same bytes
 // in one copy a plane, 14.8 us (a probe, H100).  So the legacy formats' weights come as chunked rows (one copy a
-// row and stage, common.cuh ChunkedRows): 16 + 2 M copies a stage.  (Activations block-major, two copies a stage,
-// took Q4_0 M = 8 to 18.7 us but made gemv_groups, which reads them by row at M > 1, 3x slower.)
+// row and stage, common.cuh ChunkedRows) and the activations in chunks of padded row parts (two copies a stage,
+// common.cuh act_q): 18 copies a stage.  (Activations block-major, also two copies, made gemv_groups, which reads a row's
+// blocks at M > 1, 3x slower.)
 //
 // A format's part (F): WEIGHTS, the bytes of a stage's 16 weight rows in shared memory; copy(), the copies of
 // them; load(), a thread's two A registers of block kb of a shared row and its scale; epilogue(), MMVQ's block
@@ -643,14 +645,11 @@ struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) 
 #define SKINNY_WARPS 8
 #define SKINNY_THREADS ((SKINNY_WARPS + 1) * WARP)
 
-// Byte layout of one stage: F's WEIGHTS, then a shared row per activation row for its int8 blocks of the chunk, then
-// one for its (d, s).  A (d, s) run may not start 16-byte aligned (K / 32 blocks a row): it is copied from the
-// boundary before it (the array is padded at its end, layouts.py) and starts at byte (offset & 15) of its shared
-// row.  Strides of 4 words mod 32 (plus the slack) keep the rows of a fragment load in different banks.
-// launch.py's skinny_stage mirrors stage(M).
+// Byte layout of one stage: F's WEIGHTS, then the activations' chunk as it is in global memory (common.cuh act_q,
+// act_ds, padded): M row parts of int8 quants, then M of (d, s).  launch.py's skinny_stage mirrors stage(M).
 template <typename F>
 struct SkinnySmem {
-    static constexpr int O_A = F::WEIGHTS, A = SKINNY_KB * QK + 16, S = SKINNY_KB * 4 + 48;
+    static constexpr int O_A = F::WEIGHTS, A = ACT_ROW, S = ACT_DS_ROW * 4;
     __device__ static int o_s(int M) { return O_A + M * A; }
     __device__ static int stage(int M) { return o_s(M) + M * S; }
 };
@@ -706,7 +705,6 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
     const int m0 = 2 * t, m1 = m0 + 1;
     const bool okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
     const F fmt(n0, KB, g);
-    const int s0off = int((size_t)m0 * KB * 4 & 15), s1off = int((size_t)m1 * KB * 4 & 15);  // (d, s) runs' starts
 
     // f(shared rows, their stride, array, first run's byte offset, bytes from run to run, runs, bytes a run) for
     // each run of stage c of this split
@@ -714,8 +712,8 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
         u8* s = buf + (c % stages) * STAGE;
         const int kb0 = (c0 + c) * SKINNY_KB, nkb = min(SKINNY_KB, KB - kb0);
         fmt.copy(f, s, w0, w1, n0, rows, c0 + c, nkb);
-        f(s + L::O_A, L::A, aq, (size_t)kb0 * QK, (size_t)K, M, nkb * QK);
-        f(s + O_S, L::S, ads, (size_t)kb0 * 4, (size_t)KB * 4, M, nkb * 4);
+        f(s + L::O_A, 0, aq, (size_t)(c0 + c) * M * L::A, 0, 1, M * L::A);  // the chunk's activations: two copies
+        f(s + O_S, 0, ads, (size_t)(c0 + c) * M * L::S, 0, 1, M * L::S);
     };
     float acc[4] = {};
     auto compute = [&](int c) {  // a compute warp's blocks of stage c: every SKINNY_WARPS-th, from its own
@@ -733,10 +731,8 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
                 b[0] = *reinterpret_cast<const int*>(ar);
                 b[1] = *reinterpret_cast<const int*>(ar + 16);
             }
-            const __half2 sa0 = ok0 ? *reinterpret_cast<const __half2*>(s + O_S + m0 * L::S + s0off + 4 * kb)
-                                    : __half2();
-            const __half2 sa1 = ok1 ? *reinterpret_cast<const __half2*>(s + O_S + m1 * L::S + s1off + 4 * kb)
-                                    : __half2();
+            const __half2 sa0 = ok0 ? *reinterpret_cast<const __half2*>(s + O_S + m0 * L::S + 4 * kb) : __half2();
+            const __half2 sa1 = ok1 ? *reinterpret_cast<const __half2*>(s + O_S + m1 * L::S + 4 * kb) : __half2();
             int d[4];
             mma_s8_const<MAGIC_I>(d, a, b);
             // d0: (weight row n0+g, act m0), d1: (n0+g, m1), d2: (n0+g+8, m0), d3: (n0+g+8, m1)

@@ -187,6 +187,13 @@ class Gemv(CudaKernel):
 
     rows_reuse: bool = False
 
+    def activations_for(self, type_name: str) -> ActivationLayout:
+        """Split Q8_1, in chunks where the skinny kernel takes the product (the legacy formats from 2 rows, the code
+        books from SKINNY_CODES_MIN_M; layouts.Q8_1Split)."""
+        if self.rows_reuse or (type_name in GROUPED and not GROUPED[type_name].skinny):
+            return L.Q8_1_SPLIT
+        return L.Q8_1_SPLIT_CHUNKS_CODES if type_name in GROUPED else L.Q8_1_SPLIT_CHUNKS
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import pdl
 
@@ -203,6 +210,7 @@ class Gemv(CudaKernel):
                        (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
         elif self.rows_reuse or (grouped and not (GROUPED[type_name].skinny and codes_take_skinny(m))):
             # each decoded block serves every row
+            # (their activations are by row: activations_for chunks only the skinny kernel's products)
             mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
         else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA, staged through shared memory
             if grouped:  # a code-book format's quants and scales: planes p0 and p1 (groups.py `skinny`)

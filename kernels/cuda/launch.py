@@ -81,10 +81,13 @@ def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = Non
     return SKINNY_ROWS * ((CHUNK_BLOCKS * 16 + 16) + (CHUNK_BLOCKS * scale_bytes + 48))
 
 
+ACT_ROW, ACT_DS_ROW = CHUNK_BLOCKS * QK + 16, CHUNK_BLOCKS + 4  # common.cuh: a padded row part of activations
+
+
 def skinny_stage(weights: int, m: int) -> int:
-    """SkinnySmem<F>::stage(M): the weights, then M shared rows of int8 activations and M of their (d, s), each
-    padded as fast.cu says."""
-    return weights + m * (SKINNY_KB * QK + 16 + SKINNY_KB * 4 + 48)
+    """SkinnySmem<F>::stage(M): the weights, then the chunk's M padded row parts of int8 activations and M of
+    (d, s)."""
+    return weights + m * (ACT_ROW + 4 * ACT_DS_ROW)
 
 
 def skinny_stages(stage: int) -> int:

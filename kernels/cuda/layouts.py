@@ -9,12 +9,15 @@ needs a device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from kernels.cuda.launch import (
+    ACT_DS_ROW,
+    ACT_ROW,
     CHUNK_BLOCKS,
     I64,
     MMQ_BKB,
@@ -22,6 +25,7 @@ from kernels.cuda.launch import (
     MMQ_BN,
     cdiv,
     chunked_row_bytes,
+    codes_take_skinny,
     mmq_tiles,
     quantize_mmq_kernel,
     quantize_mmq_warps,
@@ -316,26 +320,40 @@ class Q8_1Blocks(ActivationLayout):
 
 
 class Q8_1Split(ActivationLayout):
-    """int8 rows and half2 (d, s) scales apart (gemv's 16-byte loads)."""
+    """int8 quants and half2 (d, s) scales apart (gemv's 16-byte loads), by row ([M, K] and [M, K / 32]); where the
+    skinny kernel reads them (`chunks`: a product of m rows) in chunks of CHUNK_BLOCKS blocks holding the M rows'
+    padded parts (common.cuh act_q, act_ds), so that a stage's activations are two copies into shared rows 4 banks
+    apart."""
 
     quantized = True
 
+    def __init__(self, name: str, chunks: Callable[[int], bool] = lambda m: False):
+        super().__init__(name)
+        self.chunks = chunks
+
     def buffers(self, m: int, k: int) -> Any:
-        return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": _padded((m, k // QK, 2), cupy.float16)}
+        if not self.chunks(m):
+            return {"qs": cupy.empty((m, k), dtype=cupy.int8), "ds": _padded((m, k // QK, 2), cupy.float16)}
+        n = cdiv(k // QK, CHUNK_BLOCKS)
+        return {"qs": cupy.empty((n, m, ACT_ROW), dtype=cupy.int8), "ds": _padded((n, m, ACT_DS_ROW, 2), cupy.float16)}
 
     def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
         from kernels.cuda import pdl
 
-        n = x.size  # dependent launch: it may get resident while the GEMM ahead of it ends (pdl.py)
-        pdl.launch(mods.function("q8_1.cu", "quantize_q8_1_split"), (cdiv(n, 1024),), (256,),
-                   (x, bufs["qs"], bufs["ds"], I64(n)), mods.dependent_launch)
+        m, k = x.shape  # dependent launch: it may get resident while the GEMM ahead of it ends (pdl.py)
+        pdl.launch(mods.function("q8_1.cu", "quantize_q8_1_split"), (cdiv(x.size, 1024),), (256,),
+                   (x, bufs["qs"], bufs["ds"], I64(x.size), np.int32(m), np.int32(k), np.int32(self.chunks(m))),
+                   mods.dependent_launch)
         return bufs
 
     def to_host(self, bufs: Any, m: int, k: int) -> Any:
         from kernels.reference import Q8_1
 
-        ds = cupy.asnumpy(bufs["ds"])
-        return Q8_1(cupy.asnumpy(bufs["qs"]), ds[..., 0].copy(), ds[..., 1].copy())
+        qs, ds = cupy.asnumpy(bufs["qs"]), cupy.asnumpy(bufs["ds"])
+        if self.chunks(m):  # chunks of M padded row parts back to rows
+            qs = qs[:, :, :CHUNK_BLOCKS * QK].transpose(1, 0, 2).reshape(m, -1)[:, :k]
+            ds = ds[:, :, :CHUNK_BLOCKS].transpose(1, 0, 2, 3).reshape(m, -1, 2)[:, :k // QK]
+        return Q8_1(np.ascontiguousarray(qs), ds[..., 0].copy(), ds[..., 1].copy())
 
 
 class Q8_1Mmq(ActivationLayout):
@@ -401,9 +419,12 @@ X_F16 = FloatActivations("f16")
 X_BF16 = FloatActivations("bf16")
 Q8_1_BLOCKS = Q8_1Blocks("blocks")
 Q8_1_SPLIT = Q8_1Split("split")
+Q8_1_SPLIT_CHUNKS = Q8_1Split("split_chunks", lambda m: m >= 2)  # the legacy formats' gemv (skinny from 2 rows)
+Q8_1_SPLIT_CHUNKS_CODES = Q8_1Split("split_chunks_codes", codes_take_skinny)  # the code books' gemv
 MMQ_ACTIVATIONS = {a.name: a for a in (Q8_1Mmq("mmq_d4", False, 0), Q8_1Mmq("mmq_ds4", True, 0),
                                        Q8_1Mmq("mmq_ds4s", True, 1), Q8_1Mmq("mmq_d2s6", True, 2))}
 ACTIVATIONS: dict[str, ActivationLayout] = {a.name: a for a in (X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_SPLIT,
+                                                                  Q8_1_SPLIT_CHUNKS, Q8_1_SPLIT_CHUNKS_CODES,
                                                                  *MMQ_ACTIVATIONS.values())}
 
 

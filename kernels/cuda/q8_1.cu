@@ -96,10 +96,12 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, block_q8_1
     if (i % QK == 0) b.ds = make_half2(__float2half(r.d), __float2half(r.sum));
 }
 
-// The same, written straight into the split layout the fast kernels read: int8 rows qs [M, K]
-// (16-byte aligned blocks) and ds [M, K/32] half2 (d, sum) apart.
+// The same, written straight into the split layout gemv reads: int8 quants qs and half2 (d, sum) ds apart, by row
+// ([M, K] and [M, K / 32]), or (`chunked`: the skinny kernel's products) in chunks of K holding the M rows' padded
+// parts (common.cuh act_q, act_ds).
 extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* __restrict__ qs,
-                                               __half2* __restrict__ ds, long long n_values) {
+                                               __half2* __restrict__ ds, long long n_values, int M, int K,
+                                               int chunked) {
     // Launched dependent on the GEMM ahead of it (kernels/cuda/pdl.py): gemv's M = 1 kernel may start its
     // weight loads now, and this kernel waits for the one before it before it reads x or overwrites qs/ds.
     let_dependents_launch();
@@ -109,8 +111,14 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
     const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     const Q8_1Block4 r = quantize4(v);
     if (!active) return;
-    *reinterpret_cast<int*>(qs + i) = r.packed;
-    if (i % QK == 0) ds[i / QK] = make_half2(__float2half(r.d), __float2half(r.sum));
+    size_t q = size_t(i), b = size_t(i / QK);
+    if (chunked) {
+        const int row = int(i / K), k = int(i % K);
+        q = act_q(row, k / QK, M) + k % QK;
+        b = act_ds(row, k / QK, M);
+    }
+    *reinterpret_cast<int*>(qs + q) = r.packed;
+    if (i % QK == 0) ds[b] = make_half2(__float2half(r.d), __float2half(r.sum));
 }
 
 // The layout `mmq` reads, llama.cpp's MMQ activations (its quantize_mmq_q8_1): every array tiled by 64 rows
