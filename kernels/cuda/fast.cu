@@ -589,7 +589,7 @@ struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked row
     // a shared row: a chunk, and 16 bytes so that rows start 4 banks apart (a full chunk is a multiple of 128 bytes)
     static constexpr int ROW = R::CHUNK + 16, WEIGHTS = 16 * ROW;
     size_t row_bytes;
-    __device__ SkinnyLegacy(int n0, int KB, int g) : row_bytes(R::row_bytes(KB)) {}
+    __device__ SkinnyLegacy(int, int KB, int) : row_bytes(R::row_bytes(KB)) {}  // (n0, KB, g): F's constructor
     template <typename Copy>
     __device__ void copy(Copy&& f, u8* s, const u8* w0, const u8*, int n0, int rows, int chunk, int nkb) const {
         f(s, ROW, w0, (size_t)n0 * row_bytes + (size_t)chunk * R::CHUNK, row_bytes, rows, R::chunk_bytes(nkb));
@@ -639,7 +639,7 @@ struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) 
 #if defined(QGEMM_BULK) && !defined(SKINNY_CP_ASYNC)  // (-D SKINNY_CP_ASYNC: the cp.async loader on Hopper too)
 #define SKINNY_BULK 1
 #endif
-#define SKINNY_KB CHUNK_BLOCKS  // quant blocks a stage (H100, K = 14336, M = 8: 32 with 3 stages 5-12% slower)
+#define SKINNY_KB CHUNK_BLOCKS  // quant blocks a stage (H100, K = 14336, M = 8: 32 blocks, 2-6 stages, 40-70% slower)
 // 8 compute warps and a producer warp (which on Hopper issues the bulk copies; elsewhere it only shares the
 // cp.async copies); launch.py's SKINNY_THREADS mirrors it.
 #define SKINNY_WARPS 8
