@@ -8,6 +8,7 @@ from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
+from kernels.kernel import Formula
 from kernels.registry import known_names
 from kernels.requant import WEIGHT_FORMATS
 
@@ -209,13 +210,14 @@ ACTIVATION_FORMAT_DOC = (
     "cores (M > 8: signed weights and no sum term, or unsigned with m_w*s_a for Q4_1/Q5_1; d_a in float or as a "
     "half per format); f32 / f16 / bf16: a float product of the weights' values with the activations in that "
     "type (bf16: llama.cpp's BF16 matrices at M > 1); f16_mmvf: llama.cpp's F16 matrix times one row, "
-    "summed in half2 FMAs per thread")
+    "summed in half2 FMAs per thread; f16_h: its cuBLAS product of F16 matrices (at M > 1 where its mul_mat_f "
+    "does not take the shape), half operands, sums and outputs")
 
 
 class KernelInfo(BaseModel):
     name: str
     weight_types: list[str]
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf", "auto"] = Field(
+    activation_format: Formula | Literal["auto"] = Field(
         description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda", "auto"]
     available: bool
@@ -275,7 +277,7 @@ class MatmulResponse(BaseModel):
     tensor: str
     kernel: str
     weight_format: str = Field(description="`gguf`, or the requantization's tag (e.g. `nf4-b64`, `fp4-b64-dq`)")
-    activation_format: Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf"] = Field(
+    activation_format: Formula = Field(
         description=ACTIVATION_FORMAT_DOC)
     backend: Literal["cpu", "cuda"]
     timing_ms: dict[str, float]

@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.reference import Terms
+from kernels.reference import FLOAT_UNIT, Terms
 
-UNIT = 2.0**-23  # one fp32 ulp at 1: an upper bound on a truncating step's relative error
+UNIT = FLOAT_UNIT  # one fp32 ulp at 1: an upper bound on a truncating step's relative error (sums in half: Terms.unit)
 ROUNDINGS = 4  # roundings inside one term (d_a*sumi, the s-term, times d_w, the store) beyond the sum's
 TWO_SIDES = 2  # the kernel and the reference both err
 
 
-def tolerance(count: int) -> float:
-    """The relative bound for a sum of `count` terms, both sides summing in any order."""
-    return TWO_SIDES * UNIT * (count + ROUNDINGS)
+def tolerance(count: int, unit: float = UNIT) -> float:
+    """The relative bound for a sum of `count` terms (rounding steps), both sides summing in any order."""
+    return TWO_SIDES * unit * (count + ROUNDINGS)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def compare(y: np.ndarray, want: np.ndarray, terms: Terms, *, same_q8_1: bool = 
     y64, w64 = np.asarray(y, np.float64), np.asarray(want, np.float64)
     if y64.shape != w64.shape or not y64.size:
         raise ValueError(f"shapes differ or are empty: {y64.shape} against {w64.shape}")
-    bound = tolerance(terms.count if count is None else count) * terms.magnitude
+    bound = tolerance(terms.count if count is None else count, terms.unit) * terms.magnitude
     if not same_q8_1 and terms.s_ulp is not None:
         bound = bound + terms.s_ulp
     err = np.abs(y64 - w64)

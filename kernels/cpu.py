@@ -104,9 +104,15 @@ register(CpuKernel(
                 "ggml's"))
 register(CpuKernel(
     name="ref_f16", weight_types=("F16",), activation_format="f16", layout=F16, acts=X_F16, gemm=reference.ref_f32,
-    description="numpy on the CPU of llama.cpp's product of F16 matrices at M > 1 (cuBLAS on half operands): "
-                "activations rounded to half (to nearest even), fp32 GEMM (ggml accumulates in half: "
-                "docs/reports/formats-legacy-and-float.md)"))
+    description="numpy on the CPU of llama.cpp's product of F16 matrices where its tensor-core mul_mat_f takes "
+                "them (2 to 16 rows, N % 32 == 0, K % 64 == 0): activations rounded to half (to nearest even), "
+                "fp32 GEMM"))
+register(CpuKernel(
+    name="ref_f16_h", weight_types=("F16",), activation_format="f16_h", layout=F16, acts=X_F16,
+    gemm=reference.ref_f16_h, exact=False,
+    description="numpy on the CPU of llama.cpp's cuBLAS product of F16 matrices (M > 1 where mul_mat_f does not "
+                "take the shape; CUBLAS_COMPUTE_16F): activations rounded to half, fp32 GEMM rounded to half. cuBLAS "
+                "sums in half in its own order, so this is within half-precision rounding of ggml, not bit for bit"))
 register(CpuKernel(
     name="ref_bf16", weight_types=("BF16",), activation_format="bf16", layout=BF16, acts=X_BF16,
     gemm=reference.ref_f32,

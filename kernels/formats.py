@@ -33,10 +33,10 @@ class BlockFormat:
     # "D2S6" (Q2_K) a half d_a per 64 values and half sums of 16 for the first 96 of every 128
     mmq_ds_layout: str = ""
     is_float: bool = False  # F32/F16/BF16: values, not blocks; multiplied as floats (no Q8_1)
-    # float matrices: the formula llama.cpp computes them with at M = 1 and above (measured against ggml,
-    # docs/formats.md): F16's mul_mat_vec_f sums half2 FMAs; above 1, cuBLAS on activations rounded to the
-    # weights' type (bf16, or f16: ggml also accumulates F16 in half, which we do not follow: fp32 here)
-    float_formulas: tuple[str, str] = ("f32", "f32")
+    # float matrices: the formula llama.cpp computes them with (measured against ggml, docs/formats.md) at M = 1
+    # (mul_mat_vec_f; F16's sums half2 FMAs), at the shapes its tensor-core mul_mat_f takes (registry.ggml_mmf:
+    # activations rounded to the weights' type, fp32 sums), and elsewhere (cuBLAS: F16 in half, `f16_h`)
+    float_formulas: tuple[str, str, str] = ("f32", "f32", "f32")
     # grouped formats (K-quants, IQ4_NL/IQ4_XS, MXFP4; kernels/groups.py decodes them): integer values with a
     # weight scale per group of this many values (16 or 32); 0 for the legacy formats above
     group_values: int = 0
@@ -117,8 +117,8 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {
         _fmt(T.MXFP4, True, f"uint8 e (E8M0); {NIBBLES}; x = 2^(e-127) * E2M1 value of q",
              group_values=32, mmq_ds_layout="D4"),
         _fmt(T.F32, True, "one float per value", is_float=True),
-        _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f16")),
-        _fmt(T.BF16, True, "one bfloat16 per value", is_float=True, float_formulas=("f32", "bf16")),
+        _fmt(T.F16, True, "one half per value", is_float=True, float_formulas=("f16_mmvf", "f16", "f16_h")),
+        _fmt(T.BF16, True, "one bfloat16 per value", is_float=True, float_formulas=("f32", "bf16", "bf16")),
     )
 }
 

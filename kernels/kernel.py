@@ -20,9 +20,9 @@ from kernels.formats import QK, format_of
 
 # the formulas a kernel computes: llama.cpp's MMVQ (`q8_1_mmvq`, its path for M <= 8) and MMQ (`q8_1_mmq`, M > 8)
 # on Q8_1 activations (kernels/reference.py spells out each), or a float product of (dequantized) weights with
-# activations kept in fp32 (`f32`), rounded to half (`f16`) or bfloat16 (`bf16`), or llama.cpp's half2 kernel of
-# F16 matrices at M = 1 (`f16_mmvf`)
-Formula = Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf"]
+# activations kept in fp32 (`f32`), rounded to half (`f16`) or bfloat16 (`bf16`), llama.cpp's half2 kernel of
+# F16 matrices at M = 1 (`f16_mmvf`), or its cuBLAS call for F16 matrices (`f16_h`: half operands, sums and outputs)
+Formula = Literal["q8_1_mmvq", "q8_1_mmq", "f32", "f16", "bf16", "f16_mmvf", "f16_h"]
 FORMULAS: tuple[str, ...] = get_args(Formula)
 Device = Literal["cpu", "cuda"]
 
@@ -49,6 +49,9 @@ class Kernel:
     # where `auto` tries it for shapes the tuned table lacks (kernels/tuning): lower first, among the kernels
     # of llama.cpp's formula for that M; None: after every ranked one, in registration order
     auto_rank: int | None = None
+    # False where it computes its formula only up to rounding it cannot know: the CPU twin of cuBLAS's half
+    # sums (`f16_h`), whose order is the library's own; parity (tools/parity.py) holds only exact kernels to ggml
+    exact: bool = True
 
     backend: ClassVar[Device]
 

@@ -421,6 +421,10 @@ def ref_mmq(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> np.ndarr
     return acc
 
 
+FLOAT_UNIT = 2.0**-23  # one fp32 ulp at 1: an upper bound on a truncating step's relative error
+HALF_UNIT = 2.0**-10  # the same for half precision
+
+
 @dataclass(frozen=True)
 class Terms:
     """What a product's outputs are sums of, for error measures that stay well-conditioned when an output
@@ -433,6 +437,7 @@ class Terms:
     magnitude: np.ndarray
     count: int
     s_ulp: np.ndarray | None = None
+    unit: float = FLOAT_UNIT  # the relative error of one rounding step of the sums (fp32; half for `f16_h`)
 
 
 def _sum_coefficients(w: BlockWeights, dw: np.ndarray, k0: int, n_blocks: int) -> np.ndarray | None:
@@ -477,6 +482,25 @@ def ref_mmq_terms(w: BlockWeights | GroupWeights, a: Q8_1, chunk: int = 8) -> Te
 def ref_f32(w_f32: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Y = X · Wᵀ with the weights already dequantized to float32 [N, K]."""
     return np.matmul(np.asarray(x, dtype=np.float32), w_f32.T)
+
+
+def ref_f16_h(w_f16: np.ndarray, x_f16: np.ndarray) -> np.ndarray:
+    """llama.cpp's cuBLAS product of an F16 matrix (CUBLAS_COMPUTE_16F: half operands, half sums, half outputs,
+    widened to float32), as near as numpy gets: the fp32 sums of the half operands rounded to half.  cuBLAS sums
+    in half in an order of its own choosing, so this twin is within half-precision rounding of ggml, not bit for
+    bit (the GPU kernel, the same cuBLAS call, is)."""
+    with np.errstate(over="ignore"):
+        return ref_f32(w_f16, x_f16).astype(np.float16).astype(np.float32)
+
+
+HALF_SUM_STEP = 16  # values a half-precision tensor-core step sums before it rounds (mma m16n8k16 / wgmma k16)
+
+
+def ref_f16_h_terms(w: np.ndarray, x: np.ndarray) -> Terms:
+    """The terms of a product summed in half: |x_i * w_i|, rounded once a k16 step (and once more at the store),
+    each rounding a half-precision unit (kernels/accuracy.py reads `unit`)."""
+    t = ref_f32_terms(w, x)
+    return Terms(t.magnitude, -(-x.shape[1] // HALF_SUM_STEP) + 1, unit=HALF_UNIT)
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:

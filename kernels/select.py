@@ -61,7 +61,7 @@ class KernelChooser:
         spec = self._auto.get(key)
         if spec is None:
             spec = (self.cuda.auto(type_name, m, n, k) if self.cuda is not None else None) \
-                or cpu_reference(llama_formula(m, type_name))  # type: ignore[attr-defined]
+                or cpu_reference(llama_formula(m, type_name, n, k))  # type: ignore[attr-defined]
             if len(self._auto) < AUTO_PICKS_KEPT:
                 self._auto[key] = spec
         return spec

@@ -14,7 +14,7 @@ def prepare(type_name: str, raw: np.ndarray, activation_format: str) -> ref.Bloc
     if activation_format.startswith("q8_1"):
         return ref.prepare_block_weights(type_name, raw)
     wf = ref.dequantize_weights(type_name, raw).astype(np.float64)
-    return wf.astype(np.float16).astype(np.float64) if activation_format == "f16" else wf
+    return wf.astype(np.float16).astype(np.float64) if activation_format in ("f16", "f16_h") else wf
 
 
 def reference_product(type_name: str, raw: np.ndarray, x: np.ndarray, activation_format: str,
@@ -38,8 +38,10 @@ def reference_product(type_name: str, raw: np.ndarray, x: np.ndarray, activation
     xf = np.asarray(x, np.float32).astype(np.float64)
     if activation_format == "bf16":
         xf = ref.round_bf16(np.asarray(x, np.float32)).astype(np.float64)
-    if activation_format == "f16":
+    if activation_format in ("f16", "f16_h"):
         xf = xf.astype(np.float16).astype(np.float64)
+    if activation_format == "f16_h":  # sums in half: the FP64 product, with half-precision rounding steps allowed
+        return xf @ w.T, ref.ref_f16_h_terms(w, xf)  # type: ignore[union-attr]
     return xf @ w.T, ref.ref_f32_terms(w, xf)  # type: ignore[union-attr]
 
 

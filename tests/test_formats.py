@@ -223,7 +223,7 @@ def check_tensor(client: TestClient, path: Path, model: str, t, rng: np.random.G
     for post, m in ((post_json, 1), (post_json, 2), (post_npy, 11)):  # a vector (F16's mmvf), MMVQ's M, MMQ's
         x = rng.standard_normal((m, k)).astype(np.float32)
         y, formula = post(client, model, t.name, x)
-        assert formula == llama_formula(m, type_name)
+        assert formula == llama_formula(m, type_name, n, k)
         want, terms = reference_product(type_name, t.data, x, formula)
         assert_matches(y, want, terms, f"{model} {t.name} ({type_name}) M={m}")
 

@@ -260,25 +260,28 @@ def test_back_to_back_gemv_keeps_order(backend, weights_bank, rng: np.random.Gen
         assert_matches(cupy.asnumpy(y), want, terms, f"product {i} of {len(xs)}", same_q8_1=False)
 
 
-@pytest.mark.parametrize("kernel", ["cublas_f16", "cublas_f32"])
-def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.random.Generator, kernel: str) -> None:
-    """The bench times every kernel from CUDA-graph replays, the cuBLAS baselines too: CuPy refuses cuBLAS
-    calls during stream capture, so kernels/cuda/cublas.py calls it directly.  A replay equals a plain call."""
+@pytest.mark.parametrize(("kernel", "type_name"), [("cublas_f16", "Q8_0"), ("cublas_f32", "Q8_0"),
+                                                   ("cublas_f16_h", "F16")])
+def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.random.Generator, kernel: str,
+                                              type_name: str) -> None:
+    """The bench times every kernel from CUDA-graph replays, the cuBLAS kernels too: CuPy refuses cuBLAS
+    calls during stream capture, so kernels/cuda/cublas.py calls it directly (and keeps the half outputs of
+    cublas_f16_h in a buffer made before capture).  A replay equals a plain call."""
     import cupy
 
     spec, (m, n, k) = KERNELS[kernel], (17, 257, 4096)
     if backend.kernel_reason(spec):
         pytest.skip(backend.kernel_reason(spec))
-    raw = weights_bank[("Q8_0", n, k)]
-    x = rng.standard_normal((m, k)).astype(np.float16 if spec.activation_format == "f16" else np.float32)
+    raw = weights_bank[(type_name, n, k)]
+    x = rng.standard_normal((m, k)).astype(np.float16 if spec.activation_format in ("f16", "f16_h") else np.float32)
     with backend.stream as s:
-        w = spec.weights.make(backend.modules, "Q8_0", raw, n, k)
+        w = spec.weights.make(backend.modules, type_name, raw, n, k)
         xd = cupy.asarray(x)
         want, y = (cupy.full((m, n), cupy.nan, dtype=cupy.float32) for _ in range(2))
-        spec.launch(backend.modules, "Q8_0", w, xd, want, m, n, k)
+        spec.launch(backend.modules, type_name, w, xd, want, m, n, k)
         s.begin_capture()
         try:
-            spec.launch(backend.modules, "Q8_0", w, xd, y, m, n, k)
+            spec.launch(backend.modules, type_name, w, xd, y, m, n, k)
         finally:
             graph = s.end_capture()
         graph.launch(s)
@@ -287,14 +290,16 @@ def test_cublas_baselines_replay_from_a_graph(backend, weights_bank, rng: np.ran
     assert np.array_equal(cupy.asnumpy(y), cupy.asnumpy(want))
 
 
-@pytest.mark.parametrize("kernel", ["cublas_f16", "cublas_f32"])
+@pytest.mark.parametrize(("kernel", "type_name"), [("cublas_f16", "Q8_0"), ("cublas_f32", "Q8_0"),
+                                                   ("cublas_f16_h", "F16")])
 def test_cublas_baselines_without_ctypes(backend, weights_bank, rng: np.random.Generator, monkeypatch,
-                                         kernel: str) -> None:
-    """Where libcublas cannot be reached through ctypes, the baselines fall back to CuPy's cuBLAS call."""
+                                         kernel: str, type_name: str) -> None:
+    """Where libcublas cannot be reached through ctypes, the cuBLAS kernels fall back to CuPy's cuBLAS call."""
     from kernels.cuda import cublas
 
     monkeypatch.setattr(cublas, "_lib", lambda: None)
-    check_kernel(backend, KERNELS[kernel], "Q8_0", weights_bank[("Q8_0", 257, 4096)], rng.standard_normal((17, 4096)))
+    check_kernel(backend, KERNELS[kernel], type_name, weights_bank[(type_name, 257, 4096)],
+                 rng.standard_normal((17, 4096)))
 
 
 @pytest.mark.parametrize("k", [8, 64, 200, 264, 776, 1032, 4096, 14336])

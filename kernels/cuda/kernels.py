@@ -43,7 +43,7 @@ from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
 
 # the activations a float formula reads (f16_mmvf: fp32, which its kernel rounds itself)
-FLOAT_ACTIVATIONS = {"f32": L.X_F32, "f16": L.X_F16, "bf16": L.X_BF16, "f16_mmvf": L.X_F32}
+FLOAT_ACTIVATIONS = {"f32": L.X_F32, "f16": L.X_F16, "f16_h": L.X_F16, "bf16": L.X_BF16, "f16_mmvf": L.X_F32}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -113,7 +113,10 @@ class Cublas(CudaKernel):
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import cublas
 
-        cublas.gemm_xwt(acts, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
+        if self.activation_format == "f16_h":  # llama.cpp's call for F16 matrices: sums and outputs in half
+            cublas.gemm_xwt_half(acts, w["w"], y)
+        else:
+            cublas.gemm_xwt(acts, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
 
 
 MMVF_WARP_THREADS = 128  # 4 rows a block: 50 us against 55 with 8 at N = 4096, K = 14336 (H100)
@@ -321,8 +324,13 @@ register(Tiled(
 register(Cublas(
     name="cublas_f16", activation_format="f16", source="w16.cu", layout=L.F16, weight_types=(*QUANT_TYPES, "F16"),
     description="weights dequantized once to fp16 at upload (cached; F16 matrices as they are), activations cast to "
-                "fp16, cuBLAS GemmEx with fp32 accumulation and output (llama.cpp's path for F16 matrices at M > 1, "
-                "which accumulates in half)"))
+                "fp16, cuBLAS GemmEx with fp32 accumulation and output (llama.cpp's formula for F16 matrices where "
+                "its tensor-core mul_mat_f takes them)"))
+register(Cublas(
+    name="cublas_f16_h", activation_format="f16_h", source="w16.cu", layout=L.F16, weight_types=("F16",),
+    description="an F16 matrix as llama.cpp multiplies it through cuBLAS (M > 1 where its mul_mat_f does not take "
+                "the shape): activations cast to fp16, cuBLAS GemmEx with CUBLAS_COMPUTE_16F (half sums and "
+                "outputs, ggml's call), the outputs widened to fp32"))
 register(Cublas(
     name="cublas_f32", activation_format="f32", source="w16.cu", layout=L.F32, weight_types=WEIGHTS,
     description="weights dequantized once to fp32 at upload (cached; float matrices cast), cuBLAS SGEMM"))
@@ -330,14 +338,14 @@ register(Cublas(
     name="cublas_bf16", activation_format="bf16", source="w16.cu", layout=L.BF16, weight_types=("BF16",),
     description="BF16 matrices as stored, activations rounded to bf16 on the GPU, cuBLAS GemmEx with fp32 "
                 "accumulation and output (llama.cpp's path for BF16 at M > 1)"))
-register(MulMatVecF(
+register(MulMatVecF(  # ranked: auto takes them over the cuBLAS kernels of their formula (the tuned table has no floats)
     name="mmvf_f16", element="f16", activation_format="f16_mmvf", source="w16.cu", layout=L.F16, max_m=1,
-    weight_types=("F16",),
+    weight_types=("F16",), auto_rank=0,
     description="an F16 matrix times one row as llama.cpp's mul_mat_vec_f computes it, bit for bit: half2 FMAs of "
                 "weights and half activations per thread of its block, float butterflies; a warp a row"))
 register(MulMatVecF(
     name="mmv_bf16", element="bf16", activation_format="f32", source="w16.cu", layout=L.BF16, max_m=1,
-    weight_types=("BF16",),
+    weight_types=("BF16",), auto_rank=0,
     description="a BF16 matrix times one fp32 row as llama.cpp's mul_mat_vec_f sums it, bit for bit "
                 "(reference.ref_bf16_mmvf): fp32 FMAs per thread of its block, float butterflies; a warp a row"))
 register(Mmq(

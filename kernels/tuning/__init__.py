@@ -26,7 +26,7 @@ def load_table() -> dict[str, Any]:
 
 def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> Kernel | None:
     spec = KERNELS.get(name)
-    if spec is None or spec.backend != "cuda" or spec.activation_format != llama_formula(m, type_name):
+    if spec is None or spec.backend != "cuda" or spec.activation_format != llama_formula(m, type_name, n, k):
         return None  # auto answers what llama.cpp answers at this M: only kernels of its formula
     if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
         return None
