@@ -36,10 +36,19 @@ def _deploy(models_dir: Path, replicas: int) -> None:
                   env={"QGEMM_BACKEND": "cpu", "QGEMM_MODELS_DIR": str(models_dir)}), name="qgemm", route_prefix="/")
 
 
+# Serve kills a proxy that is not ready 5 s after it was started (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S), and then
+# serve.start fails with the proxy's ActorDiedError ("killed by ray.kill ... never ran").  A proxy is a new Python
+# process importing Serve and uvicorn: on a loaded 2-core CI host (pytest -n 4) that took longer, and every test
+# of the module erred in its fixture.  The cluster's processes inherit these from the driver's environment.
+SERVE_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 @pytest.fixture(scope="module")
 def cluster(models_dir: Path) -> Iterator[str]:
+    saved = {name: os.environ.get(name) for name in SERVE_TIMEOUTS}
+    os.environ.update(SERVE_TIMEOUTS)  # before ray.init starts the local cluster's processes
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parents[1])}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parents[1]), **SERVE_TIMEOUTS}})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -50,6 +59,11 @@ def cluster(models_dir: Path) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _post(base: str, x: np.ndarray, model_header: bool = False, timeout: float = 60) -> httpx.Response:
