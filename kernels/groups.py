@@ -87,9 +87,27 @@ class GroupedFormat:
     name: str
     dtype: np.dtype
     planes: tuple[str | tuple[str, ...], ...]  # a tuple: adjacent fields kept together (one load for all)
-    # 16 bytes of nibbles a 32-value block through a code book, in plane p0 with the scales in p1: fast.cu's skinny
-    # MMA takes their products of 5..8 rows (fast.cu SkinnyCodes, launch.py SKINNY_CODES_MIN_M); gemv_groups the rest
-    skinny = False
+    # fast.cu's skinny MMA takes its products of skinny_min_m..8 rows (launch.py takes_skinny; 0: none; gemv_groups
+    # the rest): a code book's 16 bytes of nibbles a 32-value block in plane p0 with the scales in p1 (SkinnyCodes),
+    # or a K-quant's value fields `skinny_runs` (low bits, then high bits: the runs a stage copies) and scale fields
+    # `skinny_scales` (copied into the stage by its filling threads; SkinnyGroups).
+    # The row counts from which it is the faster, H100, N = 4096, K = 4096 and 14336 (kernels-at-the-limit.md, fifth
+    # and sixth sessions): IQ4_NL, IQ4_XS, MXFP4 5; Q5_K 4; Q4_K 5 (4 at K = 14336); Q3_K and Q6_K 6 (5 at 14336).
+    skinny_min_m = 0
+    skinny_runs: tuple[str, ...] = ()
+    skinny_scales: tuple[str, ...] = ()
+
+    @property
+    def skinny(self) -> bool:
+        return self.skinny_min_m > 0
+
+    def skinny_run_bytes(self) -> tuple[int, ...]:
+        """Bytes a super-block of each `skinny_runs` field (fast.cu's T::QS_BYTES, T::HI_BYTES)."""
+        return tuple(self.dtype[f].itemsize for f in self.skinny_runs)
+
+    def skinny_scale_bytes(self) -> int:
+        """Bytes a super-block of the `skinny_scales` fields (groups.cuh's T::scale_bytes, summed)."""
+        return sum(self.dtype[f].itemsize for f in self.skinny_scales)
 
     def decode(self, b: np.ndarray) -> tuple:
         """Structured blocks [N, blocks] to (q, scale, coef, mmq_scale, mmq_min) (coef, mmq_min None: no min)."""
@@ -123,6 +141,7 @@ class Q2K(GroupedFormat):
 
 class Q3K(GroupedFormat):
     name, planes = "Q3_K", ("qs", "hmask", "scales", "d")
+    skinny_min_m, skinny_runs, skinny_scales = 6, ("qs", "hmask"), ("scales", "d")
     dtype = np.dtype([("hmask", "u1", 32), ("qs", "u1", 64), ("scales", "u1", 12), ("d", "<f2")])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -139,6 +158,7 @@ class Q3K(GroupedFormat):
 
 class Q4K(GroupedFormat):
     name, planes = "Q4_K", ("qs", "scales", "d", "dmin")
+    skinny_min_m, skinny_runs, skinny_scales = 5, ("qs",), ("scales", "d", "dmin")
     dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)])
     top = 63 * 15  # d*sc*q reaches this many units of d
 
@@ -157,6 +177,7 @@ class Q4K(GroupedFormat):
 
 class Q5K(Q4K):
     name, planes = "Q5_K", ("qs", "scales", "d", "dmin", "qh")
+    skinny_min_m, skinny_runs = 4, ("qs", "qh")
     dtype = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qh", "u1", 32), ("qs", "u1", 128)])
     top = 63 * 31
 
@@ -166,6 +187,7 @@ class Q5K(Q4K):
 
 class Q6K(GroupedFormat):
     name, planes = "Q6_K", ("ql", "qh", "scales", "d")
+    skinny_min_m, skinny_runs, skinny_scales = 6, ("ql", "qh"), ("scales", "d")
     dtype = np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -183,7 +205,7 @@ class Q6K(GroupedFormat):
 
 class IQ4NL(GroupedFormat):
     name, planes = "IQ4_NL", ("qs", "d")
-    skinny = True
+    skinny_min_m = 5
     dtype = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -196,7 +218,7 @@ class IQ4NL(GroupedFormat):
 
 class IQ4XS(GroupedFormat):
     name, planes = "IQ4_XS", ("qs", ("d", "scales_h", "scales_l"))
-    skinny = True
+    skinny_min_m = 5
     dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
 
     def decode(self, b: np.ndarray) -> tuple:
@@ -213,7 +235,7 @@ class IQ4XS(GroupedFormat):
 
 class MXFP4(GroupedFormat):
     name, planes = "MXFP4", ("qs", "e")
-    skinny = True
+    skinny_min_m = 5
     dtype = np.dtype([("e", "u1"), ("qs", "u1", 16)])
 
     def decode(self, b: np.ndarray) -> tuple:

@@ -92,14 +92,13 @@ def test_gemv_m1_every_split(backend, rng: np.random.Generator, monkeypatch, typ
 
 
 @pytest.mark.parametrize("type_name", [t for t in GROUPED_TYPES if groups.GROUPED[t].skinny])
-def test_skinny_code_books(backend, rng: np.random.Generator, monkeypatch, type_name: str) -> None:  # noqa: F811
-    """gemv at 2 <= M <= 8 for the code-book formats, each through the skinny MMA on their planes (which takes only
-    M >= SKINNY_CODES_MIN_M in service): every activation row count, K split over blocks or not, a last stage of 8
-    quant blocks, scale runs that start 8 bytes into a 16-byte chunk (K / 32 = 8 or 40), N past the last 16-row
-    block, and a deep K split into a zeroed output."""
-    from kernels.cuda import launch
-
-    monkeypatch.setattr(launch, "SKINNY_CODES_MIN_M", 2)
+def test_skinny_grouped(backend, rng: np.random.Generator, monkeypatch, type_name: str) -> None:  # noqa: F811
+    """gemv at 2 <= M <= 8 for the code-book formats and the K-quants the skinny MMA takes, each through it on their
+    planes (which takes only M >= its skinny_min_m in service): every activation row count, K split over blocks
+    or not, a last stage of 8 quant blocks (one super-block), scale runs that start 8 bytes into a 16-byte chunk
+    (K / 32 = 8 or 40), N past the last 16-row block (the K-quants' scales read for the block's last row), and a
+    deep K split into a zeroed output."""
+    monkeypatch.setattr(groups.GROUPED[type_name], "skinny_min_m", 2)
     spec = KERNELS["gemv"]
     for m, n, k in ((2, 33, 1280), (8, 2113, 1280), (6, 257, 256), (8, 17, 14336), (5, 130, 4352), (3, 1, 256),
                     (4, 4096, 2304), (7, 31, 768)):

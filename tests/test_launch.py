@@ -26,15 +26,37 @@ def test_the_mirrored_constants_are_fast_cus() -> None:
     assert {L.groups_split(t) for t in L.GROUPS_SPLIT} | {1} <= splits and all(8 % s == 0 for s in splits)
 
 
-def test_the_skinny_code_books_are_fast_cus() -> None:
+def test_the_skinny_grouped_formats_are_fast_cus() -> None:
     """The grouped formats the gemv launch sends to the skinny MMA at M = 2..8 (groups.py `skinny`) are the ones
-    groups.cuh instantiates it for."""
+    groups.cuh instantiates it for: the code books (SkinnyCodes) and the K-quants with value runs (SkinnyGroups),
+    whose run bytes a super-block are groups.cuh's QS_BYTES and HI_BYTES."""
     from kernels.groups import GROUPED
 
     cuh = (Path(L.__file__).parent / "groups.cuh").read_text()
-    listed = re.search(r"#define QGEMM_FOR_CODEBOOK_TYPES\(MACRO\)(.*)", cuh).group(1)
-    assert set(re.findall(r"MACRO\(\w+, (\w+)\)", listed)) == {t for t, f in GROUPED.items() if f.skinny}
-    assert "QGEMM_FOR_CODEBOOK_TYPES(SKINNY_CODES)" in FAST
+
+    def listed(macro: str) -> set[str]:
+        return set(re.findall(r"MACRO\(\w+, (\w+)\)", re.search(rf"#define {macro}\(MACRO\)(.*)", cuh).group(1)))
+
+    codes, kquants = listed("QGEMM_FOR_CODEBOOK_TYPES"), listed("QGEMM_FOR_SKINNY_K_TYPES")
+    assert codes | kquants == {t for t, f in GROUPED.items() if f.skinny}
+    assert kquants == {t for t, f in GROUPED.items() if f.skinny_runs}
+    for t in kquants:
+        struct = "QK_45" if t in ("Q4_K", "Q5_K") else t
+        body = cuh[cuh.index(f"struct {struct} {{"):]
+        qs, hi = (int(v) for v in re.search(r"QS_BYTES = (\d+), HI_BYTES = (?:FIFTH \? )?(\d+)", body).groups())
+        want = GROUPED[t].skinny_run_bytes()
+        assert want[0] == qs and (want[1:] == ((hi,) if t != "Q4_K" else ())), (t, want, qs, hi)
+        scales = re.search(r"scale_bytes\(int p\) \{ return ([^;]*);", body).group(1)  # a chain of `cond ? n :`
+
+        def plane_bytes(p: int, chain: str = scales) -> int:
+            for part in chain.split(" : "):
+                cond, _, value = part.rpartition(" ? ")
+                if not cond or eval(cond.replace("||", "or"), {"p": p}):
+                    return int(value)
+            raise AssertionError(chain)
+
+        assert GROUPED[t].skinny_scale_bytes() == sum(plane_bytes(p) for p in range(5)), (t, scales)
+    assert "QGEMM_FOR_CODEBOOK_TYPES(SKINNY_CODES)" in FAST and "QGEMM_FOR_SKINNY_K_TYPES(SKINNY_K)" in FAST
 
 
 @pytest.mark.parametrize("bias", [4, 32])

@@ -72,6 +72,13 @@ __device__ __forceinline__ void mma_s8_const(int* d, const int* a, const int* b)
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(C_BITS));
 }
+// The same for k = 16 (m16n8k16: A a0 row g and a1 row g + 8, values 4t..4t+3; B b values 4t.. of column g)
+template <int C_BITS>
+__device__ __forceinline__ void mma_s8_k16_const(int* d, int a0, int a1, int b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(C_BITS));
+}
 __device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
 
 // fma.rn without .ftz: the epilogue's F is subnormal (this file is compiled with -ftz=true)
@@ -580,21 +587,29 @@ __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, c
 // blocks at M > 1, 3x slower.)
 //
 // A format's part (F): WEIGHTS, the bytes of a stage's 16 weight rows in shared memory; copy(), the copies of
-// them; load(), a thread's two A registers of block kb of a shared row and its scale; epilogue(), MMVQ's block
-// formula.
+// them; Words, load_words() and store_words(), what the filling threads copy themselves (the K-quants' scale fields:
+// loaded a stage ahead, stored once the stage's buffer is free); load(), a thread's
+// two A registers of block kb of a shared row and its scale; epilogue(), MMVQ's block
+// formula, of the block's integer sum and `aux`: with G16 (a scale a 16 values) the sums are of the two halves
+// (two m16n8k16), with MIN `aux` is the activations' quant sum Σq_a (an MMA by all-ones weights).
 template <typename T>
 struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked rows
     using Scale = typename T::Scale;
     using R = ChunkedRows<T>;
+    static constexpr bool G16 = false, MIN = false;
     // a shared row: a chunk, and 16 bytes so that rows start 4 banks apart (a full chunk is a multiple of 128 bytes)
     static constexpr int ROW = R::CHUNK + 16, WEIGHTS = 16 * ROW;
     size_t row_bytes;
-    __device__ SkinnyLegacy(int, int KB, int) : row_bytes(R::row_bytes(KB)) {}  // (n0, KB, g): F's constructor
+    // F's constructor: (planes, first row, blocks a row, the thread's group, rows of the block)
+    __device__ SkinnyLegacy(const GPlanes&, int, int KB, int, int) : row_bytes(R::row_bytes(KB)) {}
     template <typename Copy>
-    __device__ void copy(Copy&& f, u8* s, const u8* w0, const u8*, int n0, int rows, int chunk, int nkb) const {
-        f(s, ROW, w0, (size_t)n0 * row_bytes + (size_t)chunk * R::CHUNK, row_bytes, rows, R::chunk_bytes(nkb));
+    __device__ void copy(Copy&& f, u8* s, const GPlanes& P, int n0, int rows, int chunk, int nkb) const {
+        f(s, ROW, P.p0, (size_t)n0 * row_bytes + (size_t)chunk * R::CHUNK, row_bytes, rows, R::chunk_bytes(nkb));
     }
-    __device__ Scale load(const u8* s, bool upper, int r, int nkb, int kb, int t, int* lo, int* hi) const {
+    struct Words {};  // nothing the filling threads copy themselves
+    __device__ void load_words(Words&, const GPlanes&, int, int, int, int, int, int) const {}
+    __device__ void store_words(u8*, const Words&, int, int, int, int) const {}
+    __device__ Scale load(const u8* s, bool upper, int r, int nkb, int kb, size_t, int t, int* lo, int* hi) const {
         const u8* row = s + r * ROW;
         const int v = *reinterpret_cast<const int*>(R::qs(row, kb) + 4 * t);
         if constexpr (T::QS_BYTES == 16) {
@@ -605,35 +620,144 @@ struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked row
         }
         return *R::d(row, nkb, kb);
     }
-    __device__ static float epilogue(Scale w, float sumi, __half2 ds) { return split_epilogue<T>(w, sumi, ds); }
+    __device__ static float epilogue(Scale w, float sumi, float, __half2 ds) { return split_epilogue<T>(w, sumi, ds); }
 };
 template <typename T>
 struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) and p1 (scales), a copy a plane and row
     using Scale = float;
+    static constexpr bool G16 = false, MIN = false;
     static constexpr int SC = T::BLOCK_SCALE_BYTES;
     // a scale run may start anywhere in its 16 bytes (it is copied from the boundary before it): 48 bytes of slack
     // keep the shared rows' strides at 4 words mod 32
     static constexpr int QS = CHUNK_BLOCKS * 16 + 16, D = CHUNK_BLOCKS * SC + 48, WEIGHTS = 16 * (QS + D);
     size_t KB;
     int dA, dB;  // where rows g and g + 8's scale runs start in their shared rows (the same every stage)
-    __device__ SkinnyCodes(int n0, int KB_, int g) : KB(KB_) {
+    __device__ SkinnyCodes(const GPlanes&, int n0, int KB_, int g, int) : KB(KB_) {
         dA = int((size_t)(n0 + g) * KB * SC & 15);
         dB = int((size_t)(n0 + g + 8) * KB * SC & 15);
     }
     template <typename Copy>
-    __device__ void copy(Copy&& f, u8* s, const u8* w0, const u8* w1, int n0, int rows, int chunk, int nkb) const {
+    __device__ void copy(Copy&& f, u8* s, const GPlanes& P, int n0, int rows, int chunk, int nkb) const {
         const size_t at = (size_t)n0 * KB + (size_t)chunk * CHUNK_BLOCKS;
-        f(s, QS, w0, at * 16, KB * 16, rows, nkb * 16);
-        f(s + 16 * QS, D, w1, at * SC, KB * SC, rows, nkb * SC);
+        f(s, QS, P.p0, at * 16, KB * 16, rows, nkb * 16);
+        f(s + 16 * QS, D, P.p1, at * SC, KB * SC, rows, nkb * SC);
     }
-    __device__ float load(const u8* s, bool upper, int r, int nkb, int kb, int t, int* lo, int* hi) const {
+    struct Words {};  // nothing the filling threads copy themselves
+    __device__ void load_words(Words&, const GPlanes&, int, int, int, int, int, int) const {}
+    __device__ void store_words(u8*, const Words&, int, int, int, int) const {}
+    __device__ float load(const u8* s, bool upper, int r, int nkb, int kb, size_t, int t, int* lo, int* hi) const {
         const int2 v = T::Codes::lookup(*reinterpret_cast<const unsigned*>(s + r * QS + kb * 16 + 4 * t));
         *lo = v.x;
         *hi = v.y;
         return T::block_scale(s + 16 * QS + r * D + (upper ? dB : dA), kb);
     }
     // vec_dot_{iq4_nl,iq4_xs,mxfp4}_q8_1: (d_w d_a) sumi (IQ4_XS's sumi (ls - 32) exact in d_w here)
-    __device__ static float epilogue(float w, float sumi, __half2 ds) { return w * __low2float(ds) * sumi; }
+    __device__ static float epilogue(float w, float sumi, float, __half2 ds) { return w * __low2float(ds) * sumi; }
+};
+// The K-quants (groups.cuh QGEMM_FOR_SKINNY_K_TYPES): a stage's runs of their two value planes (low bits in p0, high
+// bits in T::hi_plane), a copy a plane and row, and their scale fields (a few bytes a super-block in up to three
+// planes), copied by the threads that fill the stage with plain loads into shared rows of 8 super-blocks
+// (stage_words): read from global memory where a thread needed them, the scales took half the kernel's time (H100,
+// M = 8, K = 14336: Q4_K 34.1 us, 17.2 with the scales left out).  MMVQ's formulas: Q4_K / Q5_K
+// d_a (d sc sumi - dmin m Σq_a), Q3_K / Q6_K d_a (d sc_lo sumi_lo + d sc_hi sumi_hi).
+template <bool FOUR> struct ScaleWord { using type = unsigned short; };
+template <> struct ScaleWord<true> { using type = unsigned; };
+template <typename T>
+struct SkinnyGroups {
+    using Scale = float2;  // (sc, cf) with a min, else the two halves' scales
+    static constexpr bool G16 = T::G16, MIN = T::MIN;
+    static_assert(G16 != MIN, "the skinny MMA takes a scale a 32 with a min, or a scale a 16 without");
+    static constexpr int SB = CHUNK_BLOCKS / 8;  // super-blocks a stage
+    static constexpr int QS = SB * T::QS_BYTES + 16, HI = T::HI_BYTES ? SB * T::HI_BYTES + 16 : 0;
+    // the scale planes' copies, [row][super-block] each, after the value runs: plane p at O_SCALE + o_scale(p)
+    static constexpr int O_SCALE = 16 * (QS + HI);
+    __host__ __device__ static constexpr int o_scale(int p) {
+        return p == 0 ? 0 : o_scale(p - 1) + 16 * SB * T::scale_bytes(p - 1);
+    }
+    static constexpr int WEIGHTS = O_SCALE + o_scale(5);
+    size_t sbs;  // super-blocks a row
+    __device__ SkinnyGroups(const GPlanes&, int, int KB, int, int) : sbs(KB / 8) {}
+    template <typename Copy>
+    __device__ void copy(Copy&& f, u8* s, const GPlanes& P, int n0, int rows, int chunk, int nkb) const {
+        const size_t at = (size_t)n0 * sbs + (size_t)chunk * SB;
+        f(s, QS, P.p0, at * T::QS_BYTES, sbs * T::QS_BYTES, rows, nkb / 8 * T::QS_BYTES);
+        if constexpr (T::HI_BYTES > 0)
+            f(s + 16 * QS, HI, T::hi_plane(P), at * T::HI_BYTES, sbs * T::HI_BYTES, rows, nkb / 8 * T::HI_BYTES);
+    }
+    // The stage's scale fields in registers, two lanes a row (the filling warp's lanes; other threads none): loaded
+    // a stage ahead, while the producer waits for the buffer, and stored when it is free.  Words of 4 bytes where a
+    // plane's fields are a multiple of 4 bytes (the scales), else 2 (d, dmin); rows past N are never read.  (Loads
+    // and stores in turn, 2 bytes at a time, a lane every 32nd word, made the kernel 2-3x slower than reading the
+    // scales where needed; H100, sixth session.)
+    template <int p>
+    struct PlaneWords {
+        static constexpr int B = T::scale_bytes(p);
+        using W = typename ScaleWord<B % 4 == 0>::type;
+        static constexpr int U = SB * B / int(sizeof(W)) / 2;  // a lane's words
+        W v[U ? U : 1];
+    };
+    struct Words {
+        PlaneWords<1> p1;
+        PlaneWords<2> p2;
+        PlaneWords<3> p3;
+    };
+    template <int p>
+    __device__ void load_plane(PlaneWords<p>& pw, const u8* plane, int n0, int rows, int chunk, int nsb, int i) const {
+        using W = typename PlaneWords<p>::W;
+        constexpr int B = PlaneWords<p>::B;
+        const int r = i >> 1, words = nsb * B / int(sizeof(W));
+        if (B == 0 || i >= 32 || r >= rows) return;
+        const W* run = reinterpret_cast<const W*>(plane + ((size_t)(n0 + r) * sbs + (size_t)chunk * SB) * B);
+#pragma unroll
+        for (int u = 0; u < PlaneWords<p>::U; ++u) {
+            const int k = (i & 1) + 2 * u;
+            if (k < words) pw.v[u] = __ldg(run + k);
+        }
+    }
+    template <int p>
+    __device__ void store_plane(u8* s, const PlaneWords<p>& pw, int rows, int nsb, int i) const {
+        using W = typename PlaneWords<p>::W;
+        constexpr int B = PlaneWords<p>::B;
+        const int r = i >> 1, words = nsb * B / int(sizeof(W));
+        if (B == 0 || i >= 32 || r >= rows) return;
+        W* row = reinterpret_cast<W*>(s + O_SCALE + o_scale(p) + r * SB * B);
+#pragma unroll
+        for (int u = 0; u < PlaneWords<p>::U; ++u) {
+            const int k = (i & 1) + 2 * u;
+            if (k < words) row[k] = pw.v[u];
+        }
+    }
+    __device__ void load_words(Words& v, const GPlanes& P, int n0, int rows, int chunk, int nkb, int i, int) const {
+        static_assert(T::scale_bytes(0) == 0 && T::scale_bytes(4) == 0, "scale fields in planes p1..p3");
+        load_plane<1>(v.p1, P.p1, n0, rows, chunk, nkb / 8, i);
+        load_plane<2>(v.p2, P.p2, n0, rows, chunk, nkb / 8, i);
+        load_plane<3>(v.p3, P.p3, n0, rows, chunk, nkb / 8, i);
+    }
+    __device__ void store_words(u8* s, const Words& v, int rows, int nkb, int i, int) const {
+        store_plane<1>(s, v.p1, rows, nkb / 8, i);
+        store_plane<2>(s, v.p2, rows, nkb / 8, i);
+        store_plane<3>(s, v.p3, rows, nkb / 8, i);
+    }
+    __device__ Scale load(const u8* s, bool, int r, int, int kb, size_t, int t, int* lo, int* hi) const {
+        const int j = kb & 7, sb = kb >> 3;
+        const u8* q = s + r * QS + sb * T::QS_BYTES + T::qs_at(j) + 4 * t;
+        int h0 = 0, h1 = 0;
+        if constexpr (T::HI_BYTES > 0) {
+            const u8* h = s + 16 * QS + r * HI + sb * T::HI_BYTES + T::hi_at(j) + 4 * t;
+            h0 = *reinterpret_cast<const int*>(h);
+            h1 = *reinterpret_cast<const int*>(h + 16);
+        }
+        *lo = T::word(*reinterpret_cast<const int*>(q), h0, j);
+        *hi = T::word(*reinterpret_cast<const int*>(q + 16), h1, j);
+        const u8* o = s + O_SCALE;
+        const GPlanes shared = {o, o + o_scale(1), o + o_scale(2), o + o_scale(3), o + o_scale(4)};
+        float sc[2] = {0.f, 0.f}, cf[2] = {0.f, 0.f};
+        T::template scales<LdShared>(shared, (size_t)(r * SB + sb), j, sc, cf);
+        return make_float2(sc[0], MIN ? cf[0] : sc[1]);
+    }
+    __device__ static float epilogue(Scale w, float sumi, float aux, __half2 ds) {
+        return __low2float(ds) * (w.x * sumi + w.y * aux);
+    }
 };
 
 #if defined(QGEMM_BULK) && !defined(SKINNY_CP_ASYNC)  // (-D SKINNY_CP_ASYNC: the cp.async loader on Hopper too)
@@ -692,9 +816,8 @@ __device__ __forceinline__ void cp_async_wait_stages(int stages) {
 // `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py); w0, w1: F's
 // weight arrays (the chunked rows, or planes p0 and p1)
 template <typename F>
-__device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, const i8* __restrict__ aq,
-                       const __half2* __restrict__ ads, float* __restrict__ Y, int M, int N, int K,
-                       int chunks_per_split, int stages, u8* buf) {
+__device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                       float* __restrict__ Y, int M, int N, int K, int chunks_per_split, int stages, u8* buf) {
     using Scale = typename F::Scale;
     using L = SkinnySmem<F>;
     __shared__ float red[SKINNY_WARPS][4][WARP];
@@ -704,28 +827,36 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
     const int STAGE = L::stage(M), O_S = L::o_s(M);
     const int m0 = 2 * t, m1 = m0 + 1;
     const bool okG = g < M, ok0 = m0 < M, ok1 = m1 < M;
-    const F fmt(n0, KB, g);
+    const F fmt(P, n0, KB, g, rows);
 
     // f(shared rows, their stride, array, first run's byte offset, bytes from run to run, runs, bytes a run) for
     // each run of stage c of this split
     auto for_runs = [&](int c, auto&& f) {
         u8* s = buf + (c % stages) * STAGE;
         const int kb0 = (c0 + c) * SKINNY_KB, nkb = min(SKINNY_KB, KB - kb0);
-        fmt.copy(f, s, w0, w1, n0, rows, c0 + c, nkb);
+        fmt.copy(f, s, P, n0, rows, c0 + c, nkb);
         f(s + L::O_A, 0, aq, (size_t)(c0 + c) * M * L::A, 0, 1, M * L::A);  // the chunk's activations: two copies
         f(s + O_S, 0, ads, (size_t)(c0 + c) * M * L::S, 0, 1, M * L::S);
+    };
+    // F's own copies of stage c (thread i of n): loaded into `v`, stored into the stage's buffer
+    auto stage_nkb = [&](int c) { return min(SKINNY_KB, KB - (c0 + c) * SKINNY_KB); };
+    auto load_words = [&](typename F::Words& v, int c, int i, int n) {
+        fmt.load_words(v, P, n0, rows, c0 + c, stage_nkb(c), i, n);
+    };
+    auto store_words = [&](const typename F::Words& v, int c, int i, int n) {
+        fmt.store_words(buf + (c % stages) * STAGE, v, rows, stage_nkb(c), i, n);
     };
     float acc[4] = {};
     auto compute = [&](int c) {  // a compute warp's blocks of stage c: every SKINNY_WARPS-th, from its own
         const u8* s = buf + (c % stages) * STAGE;
-        const int nkb = min(SKINNY_KB, KB - (c0 + c) * SKINNY_KB);
+        const int kb0 = (c0 + c) * SKINNY_KB, nkb = min(SKINNY_KB, KB - kb0);
 #pragma unroll
         for (int j = 0; j < SKINNY_KB / SKINNY_WARPS; ++j) {
             const int kb = warp + SKINNY_WARPS * j;
             if (kb >= nkb) break;
             int a[4], b[2] = {0, 0};
-            const Scale wA = fmt.load(s, false, g, nkb, kb, t, &a[0], &a[2]);
-            const Scale wB = fmt.load(s, true, g + 8, nkb, kb, t, &a[1], &a[3]);
+            const Scale wA = fmt.load(s, false, g, nkb, kb, (size_t)kb0 + kb, t, &a[0], &a[2]);
+            const Scale wB = fmt.load(s, true, g + 8, nkb, kb, (size_t)kb0 + kb, t, &a[1], &a[3]);
             if (okG) {
                 const u8* ar = s + L::O_A + g * L::A + kb * QK + 4 * t;
                 b[0] = *reinterpret_cast<const int*>(ar);
@@ -733,13 +864,24 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
             }
             const __half2 sa0 = ok0 ? *reinterpret_cast<const __half2*>(s + O_S + m0 * L::S + 4 * kb) : __half2();
             const __half2 sa1 = ok1 ? *reinterpret_cast<const __half2*>(s + O_S + m1 * L::S + 4 * kb) : __half2();
-            int d[4];
-            mma_s8_const<MAGIC_I>(d, a, b);
-            // d0: (weight row n0+g, act m0), d1: (n0+g, m1), d2: (n0+g+8, m0), d3: (n0+g+8, m1)
-            acc[0] += F::epilogue(wA, magic_to_float(d[0]), sa0);
-            acc[1] += F::epilogue(wA, magic_to_float(d[1]), sa1);
-            acc[2] += F::epilogue(wB, magic_to_float(d[2]), sa0);
-            acc[3] += F::epilogue(wB, magic_to_float(d[3]), sa1);
+            // d0: (weight row n0+g, act m0), d1: (n0+g, m1), d2: (n0+g+8, m0), d3: (n0+g+8, m1); x: G16's second
+            // half, or MIN's Σq_a of m0, m1
+            int d[4], x[4] = {0, 0, 0, 0};
+            if constexpr (F::G16) {
+                mma_s8_k16_const<MAGIC_I>(d, a[0], a[1], b[0]);
+                mma_s8_k16_const<MAGIC_I>(x, a[2], a[3], b[1]);
+            } else {
+                mma_s8_const<MAGIC_I>(d, a, b);
+                if constexpr (F::MIN) {
+                    const int ones[4] = {0x01010101, 0x01010101, 0x01010101, 0x01010101};
+                    mma_s8_const<MAGIC_I>(x, ones, b);
+                }
+            }
+            const bool aux = F::G16 || F::MIN;
+            acc[0] += F::epilogue(wA, magic_to_float(d[0]), aux ? magic_to_float(x[0]) : 0.f, sa0);
+            acc[1] += F::epilogue(wA, magic_to_float(d[1]), aux ? magic_to_float(x[1]) : 0.f, sa1);
+            acc[2] += F::epilogue(wB, magic_to_float(d[2]), aux ? magic_to_float(x[2]) : 0.f, sa0);
+            acc[3] += F::epilogue(wB, magic_to_float(d[3]), aux ? magic_to_float(x[3]) : 0.f, sa1);
         }
     };
 #ifdef SKINNY_BULK
@@ -758,6 +900,8 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
     }
     __syncthreads();
     if (warp == SKINNY_WARPS) {
+        typename F::Words words;  // F's own copies of the next stage, loaded while the producer waits for its buffer
+        if (chunks > 0) load_words(words, 0, lane, WARP);
         for (int c = 0; c < chunks; ++c) {
             unsigned long long* bar = full + c % stages;
             if (c >= stages) mbar_wait(empty + c % stages, (c / stages - 1) & 1);
@@ -766,11 +910,14 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
                 bytes += bulk_runs(d, st, p, o, rb, n, b, bar, false);
             });
             bytes = __reduce_add_sync(0xffffffffu, bytes);
+            store_words(words, c, lane, WARP);
+            __syncwarp();  // the lanes' stores before lane 0's arrival releases them to the compute warps
             if (lane == 0) mbar_expect(bar, bytes);
             __syncwarp();
             for_runs(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
                 bulk_runs(d, st, p, o, rb, n, b, bar, true);
             });
+            if (c + 1 < chunks) load_words(words, c + 1, lane, WARP);
         }
     } else {
         for (int c = 0; c < chunks; ++c) {
@@ -782,11 +929,21 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
     }
 #else  // cp.async: every thread (the producer warp too) its share of the chunks, a barrier a stage
     for (int c = 0; c < stages - 1; ++c) {
-        if (c < chunks) for_runs(c, stage_runs);
+        if (c < chunks) {
+            for_runs(c, stage_runs);
+            typename F::Words words;
+            load_words(words, c, threadIdx.x, blockDim.x);
+            store_words(words, c, threadIdx.x, blockDim.x);
+        }
         cp_async_commit();
     }
     for (int c = 0; c < chunks; ++c) {
-        if (c + stages - 1 < chunks) for_runs(c + stages - 1, stage_runs);
+        if (c + stages - 1 < chunks) {
+            for_runs(c + stages - 1, stage_runs);
+            typename F::Words words;
+            load_words(words, c + stages - 1, threadIdx.x, blockDim.x);
+            store_words(words, c + stages - 1, threadIdx.x, blockDim.x);
+        }
         cp_async_commit();
         cp_async_wait_stages(stages);
         __syncthreads();
@@ -820,7 +977,7 @@ __device__ void skinny(const u8* __restrict__ w0, const u8* __restrict__ w1, con
         skinny1_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int M, int N, int K,               \
                     int chunks_per_split, int stages) {                                                         \
         extern __shared__ __align__(128) char smem[];                                                           \
-        skinny<SkinnyLegacy<T>>(w, nullptr, aq, ads, Y, M, N, K, chunks_per_split, stages,                      \
+        skinny<SkinnyLegacy<T>>({w, w, w, w, w}, aq, ads, Y, M, N, K, chunks_per_split, stages,                \
                                 reinterpret_cast<u8*>(smem));                                                   \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
@@ -939,14 +1096,18 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
     }
 QGEMM_FOR_GROUPED_TYPES(GEMV_GROUPS)
 
-// The code-book formats at M = 5..8 (launch.py SKINNY_CODES_MIN_M; gemv_rows_<type> below that): the skinny MMA above
-// on planes p0 and p1 (wh unused), their nibbles looked up as they are read (SkinnyCodes)
-#define SKINNY_CODES(t, T)                                                                                      \
+// The code-book formats and the K-quants at M = 5..8 (launch.py SKINNY_CODES_MIN_M; gemv_rows_<type> below that):
+// the skinny MMA above on their planes, the code books' nibbles looked up as they are read (SkinnyCodes), the
+// K-quants' values put together from two planes (SkinnyGroups)
+#define SKINNY_PLANES(t, F)                                                                                     \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 2)                                             \
-        skinny1_##t(const u8* p0, const u8* p1, const i8* aq, const __half2* ads, float* Y, int M, int N, int K, \
-                    int chunks_per_split, int stages) {                                                         \
+        skinny1_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,         \
+                    const __half2* ads, float* Y, int M, int N, int K, int chunks_per_split, int stages) {      \
         extern __shared__ __align__(128) char smem[];                                                           \
-        skinny<SkinnyCodes<T>>(p0, p1, aq, ads, Y, M, N, K, chunks_per_split, stages,                           \
-                               reinterpret_cast<u8*>(smem));                                                    \
+        skinny<F>({p0, p1, p2, p3, p4}, aq, ads, Y, M, N, K, chunks_per_split, stages,                          \
+                  reinterpret_cast<u8*>(smem));                                                                 \
     }
+#define SKINNY_CODES(t, T) SKINNY_PLANES(t, SkinnyCodes<T>)
+#define SKINNY_K(t, T) SKINNY_PLANES(t, SkinnyGroups<T>)
 QGEMM_FOR_CODEBOOK_TYPES(SKINNY_CODES)
+QGEMM_FOR_SKINNY_K_TYPES(SKINNY_K)

@@ -18,6 +18,18 @@ __device__ __forceinline__ void load32(const u8* p, int* r) {  // 32 bytes, 16-b
     r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w; r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
 }
 __device__ __forceinline__ float ldg_half(const u8* p) { return __half2float(__ldg(reinterpret_cast<const __half*>(p))); }
+// How a K-quant's scales() reads its scale fields: from global memory through the read-only path (gemv_groups), or
+// from the skinny kernel's shared copies of them (fast.cu SkinnyGroups)
+struct LdGlobal {
+    __device__ static int byte(const u8* p) { return __ldg(p); }
+    __device__ static int sbyte(const u8* p) { return i8(__ldg(p)); }
+    __device__ static float half(const u8* p) { return ldg_half(p); }
+};
+struct LdShared {
+    __device__ static int byte(const u8* p) { return *p; }
+    __device__ static int sbyte(const u8* p) { return *reinterpret_cast<const i8*>(p); }
+    __device__ static float half(const u8* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
+};
 __device__ __forceinline__ float half_of(unsigned v, int i) {  // half i (0: low) of a word
     return __half2float(__ushort_as_half((unsigned short)(v >> (16 * i))));
 }
@@ -56,10 +68,27 @@ struct CodeBook {
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4) from the 12 scale bytes q
 // without a branch: a warp's lanes hold sub-blocks 0-7, so both sides of `j < 4` ran, each with its own loads
+template <typename Ld = LdGlobal>
 __device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
-    const int a = __ldg(q + (j & 3)), b = __ldg(q + j + 4), c = __ldg(q + j);  // c: q[j] (j >= 4; a when j < 4)
+    const int a = Ld::byte(q + (j & 3)), b = Ld::byte(q + j + 4), c = Ld::byte(q + j);  // c: q[j] (j >= 4; a when j < 4)
     sc = j < 4 ? a & 63 : (b & 0xF) | ((a >> 6) << 4);
     m = j < 4 ? b & 63 : (b >> 4) | ((c >> 6) << 4);
+}
+
+// The K-quants' values come from two of their planes: QS_BYTES a super-block of low bits in p0 (the 32 bytes of
+// sub-block j at qs_at(j)) and HI_BYTES of high bits in plane HI (at hi_at(j); 0: none); word(r, h, j) makes
+// values 4i.. of sub-block j from int i of each run.  scales<Ld>() gives sub-block j's MMVQ scale(s) and min
+// factor from the planes scale_bytes(p) > 0 names (bytes a super-block).  gemv_groups decodes a whole sub-block
+// from global memory (decode); fast.cu's skinny MMA reads the value runs, a thread's two words, and the scale
+// fields from shared copies of a stage's super-blocks (SkinnyGroups).
+template <typename T>
+__device__ __forceinline__ void decode_k(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+    int r[8], h[8] = {};
+    load32(P.p0 + s * T::QS_BYTES + T::qs_at(j), r);
+    if constexpr (T::HI_BYTES > 0) load32(T::hi_plane(P) + s * T::HI_BYTES + T::hi_at(j), h);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = T::word(r[i], h[i], j);
+    T::scales(P, s, j, sc, cf);
 }
 
 // Planes: p0 qs [128], p1 scales [12], p2 d, p3 dmin (halves); Q5_K also p4 qh [32].  One 16-byte load of
@@ -70,22 +99,24 @@ struct QK_45 {
     static constexpr int LOOKAHEAD = FIFTH ? 1 : 4;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = true;
-    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
-        int r[8];
-        load32(P.p0 + s * 128 + (j >> 1) * 32, r);  // sub-blocks 2p and 2p + 1: the low and high nibbles
-        const int sh = 4 * (j & 1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = (r[i] >> sh) & 0x0F0F0F0F;
-        if constexpr (FIFTH) {  // bit j of qh[l] is value l's fifth bit
-            int h[8];
-            load32(P.p4 + s * 32, h);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) w[i] |= ((h[i] >> j) & 0x01010101) << 4;
-        }
+    static constexpr int QS_BYTES = 128, HI_BYTES = FIFTH ? 32 : 0;
+    __device__ static const u8* hi_plane(const GPlanes& P) { return P.p4; }
+    __device__ static int qs_at(int j) { return (j >> 1) * 32; }  // sub-blocks 2p and 2p + 1: low and high nibbles
+    __device__ static int hi_at(int) { return 0; }
+    __device__ static int word(int r, int h, int j) {
+        const int v = (r >> (4 * (j & 1))) & 0x0F0F0F0F;
+        return FIFTH ? v | (((h >> j) & 0x01010101) << 4) : v;  // bit j of qh[l] is value l's fifth bit
+    }
+    __host__ __device__ static constexpr int scale_bytes(int p) { return p == 1 ? 12 : p == 2 || p == 3 ? 2 : 0; }
+    template <typename Ld = LdGlobal>
+    __device__ static void scales(const GPlanes& P, size_t s, int j, float* sc, float* cf) {
         int scv, mv;
-        scale_min_k4(P.p1 + s * 12, j, scv, mv);
-        sc[0] = ldg_half(P.p2 + 2 * s) * float(scv);
-        cf[0] = -(ldg_half(P.p3 + 2 * s) * float(mv));
+        scale_min_k4<Ld>(P.p1 + s * 12, j, scv, mv);
+        sc[0] = Ld::half(P.p2 + 2 * s) * float(scv);
+        cf[0] = -(Ld::half(P.p3 + 2 * s) * float(mv));
+    }
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        decode_k<QK_45>(P, s, j, w, sc, cf);
     }
 };
 using Q4_K = QK_45<false>;
@@ -119,22 +150,27 @@ struct Q3_K {
     static constexpr int LOOKAHEAD = 4;
     static constexpr int MIN_BLOCKS = 4;
     static constexpr bool G16 = true, MIN = false;
-    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
-        int r[8], h[8];
-        load32(P.p0 + s * 64 + (j >> 2) * 32, r);
-        load32(P.p1 + s * 32, h);
-        const int sh = 2 * (j & 3), hs = j;  // 4n + jj == j
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            w[i] = bytes_minus<4>(((r[i] >> sh) & 0x03030303) | (((h[i] >> hs) & 0x01010101) << 2));
-        const float d = ldg_half(P.p3 + 2 * s);
+    static constexpr int QS_BYTES = 64, HI_BYTES = 32;
+    __device__ static const u8* hi_plane(const GPlanes& P) { return P.p1; }
+    __device__ static int qs_at(int j) { return (j >> 2) * 32; }
+    __device__ static int hi_at(int) { return 0; }
+    __device__ static int word(int r, int h, int j) {  // the high bit: bit 4n + jj == j
+        return bytes_minus<4>(((r >> (2 * (j & 3))) & 0x03030303) | (((h >> j) & 0x01010101) << 2));
+    }
+    __host__ __device__ static constexpr int scale_bytes(int p) { return p == 2 ? 12 : p == 3 ? 2 : 0; }
+    template <typename Ld = LdGlobal>
+    __device__ static void scales(const GPlanes& P, size_t s, int j, float* sc, float*) {
+        const float d = Ld::half(P.p3 + 2 * s);
         const u8* q = P.p2 + s * 12;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int i = 2 * j + hh;
-            const int v = ((__ldg(q + (i & 7)) >> (4 * (i >> 3))) & 0xF) | (((__ldg(q + 8 + (i & 3)) >> (2 * (i >> 2))) & 3) << 4);
+            const int v = ((Ld::byte(q + (i & 7)) >> (4 * (i >> 3))) & 0xF) | (((Ld::byte(q + 8 + (i & 3)) >> (2 * (i >> 2))) & 3) << 4);
             sc[hh] = d * float(v - 32);
         }
+    }
+    __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
+        decode_k<Q3_K>(P, s, j, w, sc, cf);
     }
 };
 
@@ -144,18 +180,23 @@ struct Q6_K {
     static constexpr int LOOKAHEAD = 2;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = true, MIN = false;
+    static constexpr int QS_BYTES = 128, HI_BYTES = 64;
+    __device__ static const u8* hi_plane(const GPlanes& P) { return P.p1; }
+    __device__ static int qs_at(int j) { return 64 * (j >> 2) + 32 * (j & 1); }  // values 128n + 32 quarter + l
+    __device__ static int hi_at(int j) { return 32 * (j >> 2); }
+    __device__ static int word(int r, int h, int j) {
+        const int quarter = j & 3;
+        return bytes_minus<32>(((r >> (4 * (quarter >> 1))) & 0x0F0F0F0F) | (((h >> (2 * quarter)) & 0x03030303) << 4));
+    }
+    __host__ __device__ static constexpr int scale_bytes(int p) { return p == 2 ? 16 : p == 3 ? 2 : 0; }
+    template <typename Ld = LdGlobal>
+    __device__ static void scales(const GPlanes& P, size_t s, int j, float* sc, float*) {
+        const float d = Ld::half(P.p3 + 2 * s);
+        sc[0] = d * float(Ld::sbyte(P.p2 + s * 16 + 2 * j));
+        sc[1] = d * float(Ld::sbyte(P.p2 + s * 16 + 2 * j + 1));
+    }
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
-        const int n = j >> 2, quarter = j & 3;  // values 128n + 32 quarter + l
-        int r[8], h[8];
-        load32(P.p0 + s * 128 + 64 * n + 32 * (quarter & 1), r);
-        load32(P.p1 + s * 64 + 32 * n, h);
-        const int nsh = 4 * (quarter >> 1), hsh = 2 * quarter;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            w[i] = bytes_minus<32>(((r[i] >> nsh) & 0x0F0F0F0F) | (((h[i] >> hsh) & 0x03030303) << 4));
-        const float d = ldg_half(P.p3 + 2 * s);
-        sc[0] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j)));
-        sc[1] = d * float(i8(__ldg(P.p2 + s * 16 + 2 * j + 1)));
+        decode_k<Q6_K>(P, s, j, w, sc, cf);
     }
 };
 
@@ -224,3 +265,5 @@ struct MXFP4 {
     MACRO(q2_k, Q2_K) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)                \
     MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)
 #define QGEMM_FOR_CODEBOOK_TYPES(MACRO) MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)
+// the K-quants fast.cu's skinny MMA takes (SkinnyGroups): one scale a group of 32 with a min, or two without
+#define QGEMM_FOR_SKINNY_K_TYPES(MACRO) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)

@@ -27,7 +27,6 @@ from kernels.cuda.launch import (
     SKINNY_ROWS,
     SKINNY_THREADS,
     cdiv,
-    codes_take_skinny,
     groups_split,
     mmq_splits,
     mmq_tiles,
@@ -35,6 +34,7 @@ from kernels.cuda.launch import (
     skinny_stage,
     skinny_stages,
     skinny_weights,
+    takes_skinny,
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
 from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
@@ -185,17 +185,17 @@ class Gemv(CudaKernel):
     """M <= 8 on the split layout: M = 1 a warp per weight row (dp4a), launched dependent on its quantize kernel
     (pdl.py); 2..8 the skinny int8 MMA (fast.cu's skinny: K staged through shared memory, split over blocks when
     the 16-row blocks leave SMs idle), or (`rows_reuse`) the M = 1 stream with each weight block reused for
-    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count, except the code-book
-    formats (groups.py `skinny`) from SKINNY_CODES_MIN_M rows, which the skinny MMA takes."""
+    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count, except where the skinny
+    MMA takes them (groups.py `skinny_min_m` rows on: the code books and the K-quants bar Q2_K)."""
 
     rows_reuse: bool = False
 
     def activations_for(self, type_name: str) -> ActivationLayout:
-        """Split Q8_1, in chunks where the skinny kernel takes the product (the legacy formats from 2 rows, the code
-        books from SKINNY_CODES_MIN_M; layouts.Q8_1Split)."""
+        """Split Q8_1, in chunks where the skinny kernel takes the product (the legacy formats from 2 rows, the grouped
+        formats from their `skinny_min_m`; layouts.Q8_1Split)."""
         if self.rows_reuse or (type_name in GROUPED and not GROUPED[type_name].skinny):
             return L.Q8_1_SPLIT
-        return L.Q8_1_SPLIT_CHUNKS_CODES if type_name in GROUPED else L.Q8_1_SPLIT_CHUNKS
+        return L.Q8_1_SPLIT_CHUNKS_GROUPED[type_name] if type_name in GROUPED else L.Q8_1_SPLIT_CHUNKS
 
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import pdl
@@ -211,13 +211,15 @@ class Gemv(CudaKernel):
             name = f"gemv1_{t}_s{split}" if grouped else f"gemv1_{t}"
             pdl.launch(mods.function(self.source, name), (cdiv(n, 8 // split),), (256,),
                        (*planes, acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
-        elif self.rows_reuse or (grouped and not (GROUPED[type_name].skinny and codes_take_skinny(m))):
+        elif self.rows_reuse or (grouped and not takes_skinny(type_name, m)):
             # each decoded block serves every row
             # (their activations are by row: activations_for chunks only the skinny kernel's products)
             mods.function(self.source, f"gemv_rows_{t}")((cdiv(n, 8),), (256,), (*planes, *rows))
         else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA, staged through shared memory
-            if grouped:  # a code-book format's quants and scales: planes p0 and p1 (groups.py `skinny`)
-                planes = planes[:2]
+            if grouped and GROUPED[type_name].skinny_runs:  # a K-quant's value runs (groups.py `skinny_runs`)
+                fmt = GROUPED[type_name]
+                weights = skinny_weights(run_bytes=fmt.skinny_run_bytes(), scale_bytes=fmt.skinny_scale_bytes())
+            elif grouped:  # a code-book format's quants and scales: planes p0 and p1 (groups.py `skinny`)
                 weights = skinny_weights(scale_bytes=planes[1].nbytes // (n * (k // QK)))
             else:
                 weights = skinny_weights(block_bytes=format_of(type_name).block_bytes)
@@ -370,9 +372,11 @@ register(Gemv(
                 "kernel on sm_90+; 2..8 a skinny int8 MMA (16 weight "
                 "rows x 8 activation rows), K staged through shared memory 64 quant blocks at a time (bulk copies on "
                 "sm_90+, cp.async otherwise) and split across the block's warps, and across blocks when the rows "
-                "leave SMs idle: the legacy formats, and IQ4_NL, IQ4_XS and MXFP4 from 5 rows (codes looked up 8 at a "
-                "time); the other grouped formats (and those below 5 rows) a warp per weight row, each decoded "
-                "sub-block reused for every activation row"))
+                "leave SMs idle: the legacy formats, IQ4_NL, IQ4_XS and MXFP4 from 5 rows (codes looked up 8 at a "
+                "time), Q3_K to Q6_K from 4 to 6 rows (two k16 MMAs a block for a scale per 16, an all-ones MMA for "
+                "the activations' sums where there is a minimum; their scale fields staged by the producer warp a "
+                "stage ahead); Q2_K (and the others below those rows) a warp per weight row, each decoded sub-block "
+                "reused for every activation row"))
 register(Gemv(
     name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT,
     min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.formats import QK
+from kernels.groups import GROUPED
 
 I32, I64 = np.int32, np.int64
 
@@ -50,15 +51,14 @@ def groups_split(type_name: str) -> int:
 
 CHUNK_BLOCKS = 64  # common.cuh: K's chunk in gemv's layouts, and the skinny kernel's stage
 SKINNY_KB, SKINNY_ROWS, SKINNY_THREADS = CHUNK_BLOCKS, 16, 288  # as fast.cu: quant blocks a stage, weight rows, threads
-# The code-book formats (IQ4_NL, IQ4_XS, MXFP4) take the skinny MMA from this many rows, gemv_groups below it: its
-# cost hardly moves with M, gemv_groups' grows by a weight pass a row (H100, N = 4096, K = 14336, IQ4_NL: skinny
-# 27.5 / 28.3 / 29.7 us at M = 2 / 4 / 8, gemv_groups 19.1 / 27.0 / 43.1; kernels-at-the-limit.md, fifth session)
-SKINNY_CODES_MIN_M = 5
 
 
-def codes_take_skinny(m: int) -> bool:
-    """Whether a code-book format's product of m activation rows (2..8) runs the skinny MMA."""
-    return m >= SKINNY_CODES_MIN_M
+def takes_skinny(type_name: str, m: int) -> bool:
+    """Whether gemv runs a grouped format's product of m activation rows (2..8) on the skinny MMA: from its groups.py
+    `skinny_min_m` rows (0: never).  The skinny kernel's cost hardly moves with M, gemv_groups' grows by a weight
+    pass a row, so each format has a row count where they cross (measured; kernels-at-the-limit.md)."""
+    fmt = GROUPED.get(type_name)
+    return fmt is not None and 0 < fmt.skinny_min_m <= m
 SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
 
 
@@ -73,11 +73,17 @@ def chunked_row_bytes(block_bytes: int, kb: int) -> int:
     return (kb // CHUNK_BLOCKS) * CHUNK_BLOCKS * block_bytes + chunk_bytes(block_bytes, kb % CHUNK_BLOCKS)
 
 
-def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None) -> int:
+def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None,
+                   run_bytes: tuple[int, ...] = ()) -> int:
     """A stage's 16 weight rows in the skinny kernel's shared memory (fast.cu F::WEIGHTS): a legacy format's chunks
-    (`block_bytes`), or a code-book format's quants and scales (`scale_bytes` a block), each row padded."""
+    (`block_bytes`), a code-book format's quants and scales (`scale_bytes` a block), or a K-quant's value runs
+    (`run_bytes` a super-block each, groups.py skinny_run_bytes), each row padded, and its scale fields
+    (`scale_bytes` a super-block, unpadded)."""
     if block_bytes is not None:
         return SKINNY_ROWS * (CHUNK_BLOCKS * block_bytes + 16)
+    if run_bytes:
+        runs = sum(CHUNK_BLOCKS // 8 * b + 16 for b in run_bytes)
+        return SKINNY_ROWS * (runs + CHUNK_BLOCKS // 8 * (scale_bytes or 0))
     return SKINNY_ROWS * ((CHUNK_BLOCKS * 16 + 16) + (CHUNK_BLOCKS * scale_bytes + 48))
 
 

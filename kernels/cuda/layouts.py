@@ -8,6 +8,7 @@ needs a device.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +26,13 @@ from kernels.cuda.launch import (
     MMQ_BN,
     cdiv,
     chunked_row_bytes,
-    codes_take_skinny,
     mmq_tiles,
     quantize_mmq_kernel,
     quantize_mmq_warps,
+    takes_skinny,
 )
 from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
+from kernels.groups import GROUPED
 from kernels.kernel import Layout
 
 try:
@@ -420,12 +422,14 @@ X_BF16 = FloatActivations("bf16")
 Q8_1_BLOCKS = Q8_1Blocks("blocks")
 Q8_1_SPLIT = Q8_1Split("split")
 Q8_1_SPLIT_CHUNKS = Q8_1Split("split_chunks", lambda m: m >= 2)  # the legacy formats' gemv (skinny from 2 rows)
-Q8_1_SPLIT_CHUNKS_CODES = Q8_1Split("split_chunks_codes", codes_take_skinny)  # the code books' gemv
+# the grouped formats' gemv, chunked from the rows where their skinny MMA takes over (launch.takes_skinny)
+Q8_1_SPLIT_CHUNKS_GROUPED = {t: Q8_1Split(f"split_chunks_{t.lower()}", functools.partial(takes_skinny, t))
+                             for t, f in GROUPED.items() if f.skinny}
 MMQ_ACTIVATIONS = {a.name: a for a in (Q8_1Mmq("mmq_d4", False, 0), Q8_1Mmq("mmq_ds4", True, 0),
                                        Q8_1Mmq("mmq_ds4s", True, 1), Q8_1Mmq("mmq_d2s6", True, 2))}
-ACTIVATIONS: dict[str, ActivationLayout] = {a.name: a for a in (X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_SPLIT,
-                                                                  Q8_1_SPLIT_CHUNKS, Q8_1_SPLIT_CHUNKS_CODES,
-                                                                 *MMQ_ACTIVATIONS.values())}
+ACTIVATIONS: dict[str, ActivationLayout] = {a.name: a for a in (
+    X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_SPLIT, Q8_1_SPLIT_CHUNKS, *Q8_1_SPLIT_CHUNKS_GROUPED.values(),
+    *MMQ_ACTIVATIONS.values())}
 
 
 def mmq_activations(type_name: str) -> Q8_1Mmq:
