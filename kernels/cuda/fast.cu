@@ -249,8 +249,10 @@ __device__ __forceinline__ void mma16_s8_const(int* d, const int* a, int b) {
         : "r"(a[0]), "r"(a[1]), "r"(b), "r"(C_BITS));
 }
 
-// H = 2: each quant block as two k16 MMAs, each half with its own weight scale (and minimum and sum).
-template <bool MIN, int H = 1>
+// H = 2: each quant block as two k16 MMAs, each half with its own weight scale (and minimum and sum).  HALF: the
+// tile's rows past 32 are empty (M <= 32, one row of tiles): the four warps take rows 0-31 and a quarter of the
+// columns each, instead of half the rows and half the columns, so that no warp multiplies only padding.
+template <bool MIN, int H = 1, bool HALF = false>
 __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float* __restrict__ wd,
                                          const i8* __restrict__ aq, const float2* __restrict__ dc,
                                          const float* __restrict__ sa_, const float* __restrict__ wm_,
@@ -258,31 +260,32 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                                          char* smem) {
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int g = lane >> 2, t = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;
+    constexpr int NI = HALF ? 4 : 8, WCOLS = 8 * NI;  // a warp's n-tiles of 8 columns, and its columns
+    const int wm = HALF ? 0 : warp >> 1, wn = HALF ? warp : warp & 1;
     const MmqBlock<MMQ_CAN_BULK, MIN, H> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
-    float acc[2][8][4] = {};
+    float acc[2][NI][4] = {};
     blk.start(smem);
     // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
     // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
     // 16-31 n-tile 2p+1, each (l & 7) at byte offset 16 * ((l >> 3) & 1): b[2p][0..1], b[2p+1][0..1].
     // In core-matrix order, 8 rows are 1024 bytes and 16 bytes of K are 128.
     const int a_off = S::A + (wm * 4 + ((lane >> 3) & 1)) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
-    const int b_off = S::B + (wn * 8 + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
+    const int b_off = S::B + (wn * NI + (lane >> 4)) * 1024 + ((lane >> 3) & 1) * 128 + (lane & 7) * 16;
     for (int s = 0; s < blk.stages; ++s) {
         blk.next(smem, s);
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
-        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * 64 + 2 * t;
+        const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * WCOLS + 2 * t;
         const float* sSA = reinterpret_cast<const float*>(st + S::SA) + wm * 32 + g;  // MIN only
-        const float* sWM = reinterpret_cast<const float*>(st + S::WM) + wn * 64 + 2 * t;
+        const float* sWM = reinterpret_cast<const float*>(st + S::WM) + wn * WCOLS + 2 * t;
 #pragma unroll kMmqUnroll
         for (int j = 0; j < MMQ_BKB; ++j) {
-            int a[2][4], b[8][2];
+            int a[2][4], b[NI][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], st + a_off + mi * 2048 + j * 256);
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
+            for (int p = 0; p < NI / 2; ++p) {
                 int v[4];
                 ldmatrix_x4(v, st + b_off + p * 2048 + j * 256);
                 b[2 * p][0] = v[0];
@@ -302,7 +305,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                         if constexpr (MIN) sa[mi][hh][h] = sSA[(j * H + hh) * MMQ_BM + mi * 16 + 8 * h];
                 }
 #pragma unroll
-            for (int ni = 0; ni < 8; ++ni) {
+            for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
                 for (int hh = 0; hh < H; ++hh) {
                     const float2 w = *reinterpret_cast<const float2*>(sWD + (j * H + hh) * MMQ_BN + ni * 8);
@@ -329,43 +332,37 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
+        for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * 64 + ni * 8 + 2 * t,
+                blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * WCOLS + ni * 8 + 2 * t,
                           acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
 }
 
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
-mmq(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
-    float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
-    extern __shared__ __align__(128) char smem[];
-    mmq_tile<false>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem);
-}
-// Formats with a minimum: unsigned weights, and the m_w s_a term (sa: the activations' sums, tiled as dc).
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
-mmq_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
-        const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm, float* __restrict__ Y,
-        int M, int N, int K, int stages_per_split, int atomic) {
-    extern __shared__ __align__(128) char smem[];
-    mmq_tile<true>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);
-}
-
-// The formats with a scale per 16 values (Q3_K, Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa
-// hold two values a block and row, the halves' (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
-mmq16(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq, const float2* __restrict__ dc,
-      float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {
-    extern __shared__ __align__(128) char smem[];
-    mmq_tile<false, 2>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem);
-}
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)
-mmq16_min(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,
-          const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm, float* __restrict__ Y,
-          int M, int N, int K, int stages_per_split, int atomic) {
-    extern __shared__ __align__(128) char smem[];
-    mmq_tile<true, 2>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);
-}
+// The entries, each also as name_m32 (HALF, for M <= 32; launch: Mmq).  Formats with a minimum: unsigned weights,
+// and the m_w s_a term (sa: the activations' sums, tiled as dc).  mmq16: the formats with a scale per 16 values
+// (Q3_K, Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa hold two values a block and row, the halves'
+// (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).
+#define MMQ_ENTRY(name, H, HALF)                                                                                \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
+        name(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,               \
+             const float2* __restrict__ dc, float* __restrict__ Y, int M, int N, int K, int stages_per_split,  \
+             int atomic) {                                                                                      \
+        extern __shared__ __align__(128) char smem[];                                                           \
+        mmq_tile<false, H, HALF>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem); \
+    }
+#define MMQ_ENTRY_MIN(name, H, HALF)                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
+        name(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,               \
+             const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm,        \
+             float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {                    \
+        extern __shared__ __align__(128) char smem[];                                                           \
+        mmq_tile<true, H, HALF>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);            \
+    }
+MMQ_ENTRY(mmq, 1, false) MMQ_ENTRY(mmq_m32, 1, true)
+MMQ_ENTRY_MIN(mmq_min, 1, false) MMQ_ENTRY_MIN(mmq_min_m32, 1, true)
+MMQ_ENTRY(mmq16, 2, false) MMQ_ENTRY(mmq16_m32, 2, true)
+MMQ_ENTRY_MIN(mmq16_min, 2, false) MMQ_ENTRY_MIN(mmq16_min_m32, 2, true)
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
 // Two warpgroups a block, each the 64 x 64 half of the 64 x 128 tile (wgmma.m64n64k32 per quant block, 16

@@ -145,7 +145,8 @@ class MulMatVecF(CudaKernel):
 class Mmq(CudaKernel):
     """mmq (mma.sync, 4 warps) or mmq_wgmma (two warpgroups): the same tiles, layouts and grid; one kernel for
     every signed weight type (its layouts carry the format), `_min` for formats with a minimum, `mmq16` for a
-    scale per 16 values."""
+    scale per 16 values; up to 32 rows (one row of 64-row tiles, half empty) mma.sync's `_m32` variants, whose
+    four warps share rows 0-31 instead of leaving two on padding."""
 
     entry: str = "mmq"
     SHAPES: ClassVar[dict[str, tuple[int, int]]] = {  # (threads, dynamic shared memory)
@@ -171,8 +172,10 @@ class Mmq(CudaKernel):
         if minimum:
             assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
             base += "_min"
-        fn = mods.function(self.source, base)
         threads, smem = self.SHAPES[base]
+        if base != "mmq_wgmma" and m <= MMQ_BM // 2:  # one row of tiles, half empty: fast.cu's HALF variant
+            base += "_m32"
+        fn = mods.function(self.source, base)
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem  # two stages: over the 48 KiB default
         extra = (acts["sa"], w["wm"]) if minimum else ()
