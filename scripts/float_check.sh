@@ -6,15 +6,7 @@
 # Carry .whl, .carry and .parity.  Writes $OUT: device.txt, check.log, gpu-tests.log, parity-511.json,
 # parity-4096.json, fixture.tgz, bench.json, perf.txt.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/check.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 QGEMM_MODELS_DIR=$PWD/.carry/models
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
-python3 -m app.cli fetch --demo-only > /dev/null
-(nice -n 19 bash .parity/build.sh qcheck test-backend-ops > /tmp/build.log 2>&1; echo "build rc $?" >> /tmp/build.log) &
-build=$!
+. "$(dirname "$0")/device_env.sh"  # $OUT, check.log, wheels, environment, device.txt, ggml building ($build)
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_registry.py tests/test_parity.py \
   tests/test_gpu.py -k "cublas or F16 or f16 or BF16 or bf16 or parity or registry" > "$OUT/gpu-tests.log" 2>&1
 echo "pytest at ${SECONDS}s:"; tail -n 1 "$OUT/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log"

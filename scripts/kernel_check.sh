@@ -10,15 +10,7 @@
 set -uo pipefail
 types=${1:?usage: kernel_check.sh "TYPES" [MS] [PERF_M] [KERNELS]}; ms=${2:-1,2,5,8}; perf_m=${3:-1|8}
 kernels=${4:-gemv}; step=${STEP:-all}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee "$OUT/check.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 QGEMM_MODELS_DIR=$PWD/.carry/models
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
-python3 -m app.cli fetch --demo-only > /dev/null
-(nice -n 19 bash .parity/build.sh qcheck test-backend-ops > /tmp/build.log 2>&1; echo "build rc $?" >> /tmp/build.log) &
-build=$!
+. "$(dirname "$0")/device_env.sh"  # $OUT, check.log, wheels, environment, device.txt, ggml building ($build)
 if [ "$step" != compare ]; then
   timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/test_openapi_conformance.py \
     --ignore=tests/test_ray_serve.py tests > "$OUT/gpu-tests.log" 2>&1

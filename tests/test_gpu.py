@@ -302,44 +302,37 @@ def test_cublas_baselines_without_ctypes(backend, weights_bank, rng: np.random.G
                  rng.standard_normal((17, 4096)))
 
 
-@pytest.mark.parametrize("k", [8, 64, 200, 264, 776, 1032, 4096, 14336])
-def test_mmvf_f16_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int) -> None:
-    """mmvf_f16 equals ggml's mul_mat_vec_f (reference.ref_f16_mmvf) bit for bit: one or two 128-thread halves of
-    ggml's block (bs from 32 to 256), ragged last steps; N = 131 leaves the last block of 4 rows short.  Weights of
-    mixed scale exercise half rounding."""
-    import cupy
+def _f16_halves(w: np.ndarray) -> np.ndarray:
+    return w.astype(np.float16)
 
-    from kernels.reference import ref_f16_mmvf
 
-    spec, n = KERNELS["mmvf_f16"], 131
-    w16 = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-6, 3, (n, 1)))).astype(np.float16)
-    x = rng.standard_normal((1, k)).astype(np.float32)
-    with backend.stream as s:
-        w = spec.weights.make(backend.modules, "F16", w16, n, k)
-        y = cupy.full((1, n), cupy.nan, dtype=cupy.float32)
-        spec.launch(backend.modules, "F16", w, cupy.asarray(x), y, 1, n, k)
-        s.synchronize()
-    np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), ref_f16_mmvf(w16, x).view(np.uint32))
+def _bf16_bits(w: np.ndarray) -> np.ndarray:
+    return (w.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: any bits will do
 
 
 @pytest.mark.parametrize("k", [8, 64, 200, 264, 776, 1032, 4096, 14336])
-def test_mmv_bf16_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int) -> None:
-    """mmv_bf16 sums as ggml's mul_mat_vec_f does for a BF16 matrix (reference.ref_bf16_mmvf: float fmaf sums per
-    thread of a block of bs threads, the block's butterflies), bit for bit; bs from 32 to 256."""
+@pytest.mark.parametrize(("kernel", "type_name", "stored", "oracle"), [
+    ("mmvf_f16", "F16", _f16_halves, "ref_f16_mmvf"), ("mmv_bf16", "BF16", _bf16_bits, "ref_bf16_mmvf")])
+def test_mul_mat_vec_f_is_ggml_bit_for_bit(backend, rng: np.random.Generator, k: int, kernel: str, type_name: str,
+                                           stored, oracle: str) -> None:
+    """mmvf_f16 and mmv_bf16 equal ggml's mul_mat_vec_f bit for bit (reference.ref_f16_mmvf: half2 FMAs per thread;
+    ref_bf16_mmvf: float fmaf sums per thread; then the block's butterflies): one or two 128-thread halves of ggml's
+    block (bs from 32 to 256), ragged last steps; N = 131 leaves the last block of 4 rows short.  Weights of mixed
+    scale exercise the rounding."""
     import cupy
 
-    from kernels.reference import ref_bf16_mmvf
+    from kernels import reference
 
-    spec, n = KERNELS["mmv_bf16"], 131
-    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-6, 3, (n, 1)))).astype(np.float32)
-    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16: any bits will do
+    spec, n = KERNELS[kernel], 131
+    w = stored((rng.standard_normal((n, k)) * np.exp2(rng.integers(-6, 3, (n, 1)))).astype(np.float32))
     x = rng.standard_normal((1, k)).astype(np.float32)
     with backend.stream as s:
-        wd = spec.weights.make(backend.modules, "BF16", bits, n, k)
+        wd = spec.weights.make(backend.modules, type_name, w, n, k)
         y = cupy.full((1, n), cupy.nan, dtype=cupy.float32)
-        spec.launch(backend.modules, "BF16", wd, cupy.asarray(x), y, 1, n, k)
+        spec.launch(backend.modules, type_name, wd, cupy.asarray(x), y, 1, n, k)
         s.synchronize()
-    np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), ref_bf16_mmvf(bits, x).view(np.uint32))
+    want = getattr(reference, oracle)(w, x)
+    np.testing.assert_array_equal(cupy.asnumpy(y).view(np.uint32), want.view(np.uint32))
 
 
 def test_every_cuda_kernel_is_available(backend) -> None:
