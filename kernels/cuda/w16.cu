@@ -129,36 +129,29 @@ __device__ __forceinline__ void mmvf_warp(const int4* __restrict__ W, const floa
     for (int s0 = 0; s0 < pairs; s0 += U * bs) {
         int4 w[U][H];
         float4 xa[U][H], xb[U][H];
+        // f(u, h, p) for each group of 4 pairs this lane takes in the step: p % 4 == 0, a whole group or none.
+        // All weight loads, then all activation loads, then the sums (the order in which they are in flight).
+        auto groups = [&](auto&& f) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int h = 0; h < H; ++h) {
-                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;  // p % 4 == 0: a whole group or none
-                if (t < bs && p < pairs) w[u][h] = load_once<false>(row + p / 4);
-            }
+                for (int h = 0; h < H; ++h) {
+                    const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;
+                    if (t < bs && p < pairs) f(u, h, p);
+                }
+        };
+        groups([&](int u, int h, int p) { w[u][h] = load_once<false>(row + p / 4); });
         if (s0 == 0) wait_for_inputs();  // the first weights are on their way; x may come from the kernel before
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int h = 0; h < H; ++h) {
-                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;
-                if (t < bs && p < pairs) {
-                    xa[u][h] = __ldg(x + p / 2);
-                    xb[u][h] = __ldg(x + p / 2 + 1);
-                }
-            }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int h = 0; h < H; ++h) {
-                const int t = 128 * h + 4 * lane, p = s0 + u * bs + t;
-                if (t < bs && p < pairs) {
-                    acc[h][0].add(unsigned(w[u][h].x), make_float2(xa[u][h].x, xa[u][h].y));
-                    acc[h][1].add(unsigned(w[u][h].y), make_float2(xa[u][h].z, xa[u][h].w));
-                    acc[h][2].add(unsigned(w[u][h].z), make_float2(xb[u][h].x, xb[u][h].y));
-                    acc[h][3].add(unsigned(w[u][h].w), make_float2(xb[u][h].z, xb[u][h].w));
-                }
-            }
+        groups([&](int u, int h, int p) {
+            xa[u][h] = __ldg(x + p / 2);
+            xb[u][h] = __ldg(x + p / 2 + 1);
+        });
+        groups([&](int u, int h, int) {
+            acc[h][0].add(unsigned(w[u][h].x), make_float2(xa[u][h].x, xa[u][h].y));
+            acc[h][1].add(unsigned(w[u][h].y), make_float2(xa[u][h].z, xa[u][h].w));
+            acc[h][2].add(unsigned(w[u][h].z), make_float2(xb[u][h].x, xb[u][h].y));
+            acc[h][3].add(unsigned(w[u][h].w), make_float2(xb[u][h].z, xb[u][h].w));
+        });
     }
     float warp_of[H];  // each warp's butterfly: t ^ 16, 8, 4 across lanes, t ^ 2, 1 across registers
 #pragma unroll
