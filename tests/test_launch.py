@@ -83,10 +83,18 @@ def test_skinny_splits_cover_k_once(n: int, k: int) -> None:
         assert splits == 1
 
 
+def _k_quant_stages() -> list[dict]:
+    from kernels.groups import GROUPED
+
+    return [{"run_bytes": f.skinny_run_bytes(), "field_bytes": f.skinny_scale_bytes()}
+            for f in GROUPED.values() if f.skinny_runs]
+
+
 @pytest.mark.parametrize("weights", [{"block_bytes": b} for b in (18, 20, 22, 24, 34)] +
-                         [{"scale_bytes": b} for b in (1, 2)])
-def test_skinny_stages_fit_two_blocks_an_sm(weights: dict[str, int]) -> None:
-    """Every legacy block size (chunked rows) and code-book scale size, at every row count."""
+                         [{"scale_bytes": b} for b in (1, 2)] + _k_quant_stages())
+def test_skinny_stages_fit_two_blocks_an_sm(weights: dict) -> None:
+    """Every legacy block size (chunked rows), code-book scale size and K-quant's runs and scale fields, at every
+    row count."""
     for m in range(2, 9):
         stage = L.skinny_stage(L.skinny_weights(**weights), m)
         stages = L.skinny_stages(stage)

@@ -221,7 +221,7 @@ class Gemv(CudaKernel):
         else:  # 16 weight rows x up to 8 activation rows per tensor-core MMA, staged through shared memory
             if grouped and GROUPED[type_name].skinny_runs:  # a K-quant's value runs (groups.py `skinny_runs`)
                 fmt = GROUPED[type_name]
-                weights = skinny_weights(run_bytes=fmt.skinny_run_bytes(), scale_bytes=fmt.skinny_scale_bytes())
+                weights = skinny_weights(run_bytes=fmt.skinny_run_bytes(), field_bytes=fmt.skinny_scale_bytes())
             elif grouped:  # a code-book format's quants and scales: planes p0 and p1 (groups.py `skinny`)
                 weights = skinny_weights(scale_bytes=planes[1].nbytes // (n * (k // QK)))
             else:

@@ -59,6 +59,8 @@ def takes_skinny(type_name: str, m: int) -> bool:
     pass a row, so each format has a row count where they cross (measured; kernels-at-the-limit.md)."""
     fmt = GROUPED.get(type_name)
     return fmt is not None and 0 < fmt.skinny_min_m <= m
+
+
 SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
 
 
@@ -74,16 +76,16 @@ def chunked_row_bytes(block_bytes: int, kb: int) -> int:
 
 
 def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None,
-                   run_bytes: tuple[int, ...] = ()) -> int:
+                   run_bytes: tuple[int, ...] = (), field_bytes: int = 0) -> int:
     """A stage's 16 weight rows in the skinny kernel's shared memory (fast.cu F::WEIGHTS): a legacy format's chunks
     (`block_bytes`), a code-book format's quants and scales (`scale_bytes` a block), or a K-quant's value runs
     (`run_bytes` a super-block each, groups.py skinny_run_bytes), each row padded, and its scale fields
-    (`scale_bytes` a super-block, unpadded)."""
+    (`field_bytes` a super-block, unpadded)."""
     if block_bytes is not None:
         return SKINNY_ROWS * (CHUNK_BLOCKS * block_bytes + 16)
     if run_bytes:
         runs = sum(CHUNK_BLOCKS // 8 * b + 16 for b in run_bytes)
-        return SKINNY_ROWS * (runs + CHUNK_BLOCKS // 8 * (scale_bytes or 0))
+        return SKINNY_ROWS * (runs + CHUNK_BLOCKS // 8 * field_bytes)
     return SKINNY_ROWS * ((CHUNK_BLOCKS * 16 + 16) + (CHUNK_BLOCKS * scale_bytes + 48))
 
 
