@@ -93,6 +93,22 @@ def test_npy_products_are_correct(client: TestClient, oracle: Oracle, rng: np.ra
     assert r.headers["x-qgemm-kernel"] == "ref_q8_1" and "total;dur=" in r.headers["server-timing"]
 
 
+@pytest.mark.parametrize(("m", "formula"), [(1, "f16_mmvf"), (16, "f16"), (17, "f16_h")])
+def test_f16_answers_name_ggml_s_formula_by_rows(client: TestClient, oracle: Oracle, rng: np.random.Generator,
+                                                 m: int, formula: str) -> None:
+    """An F16 matrix (64 x 64: mul_mat_f's shape) through `auto`: ggml's mul_mat_vec_f at one row, mul_mat_f's fp32
+    sums to 16, its cuBLAS call's half sums above; the answer names the formula and is that formula's product."""
+    x = rng.standard_normal((m, 64)).astype(np.float32)
+    r = client.post("/v1/matmul", json={"model": "demo", "tensor": "small.f16.weight", "activations": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["activation_format"] == formula and body["kernel"] == f"ref_{formula}"
+    oracle.check(np.array(body["output"], np.float32), "demo", "small.f16.weight", x, formula)
+    r = client.post("/v1/matmul?model=demo&tensor=small.f16.weight", content=npy(x),
+                    headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+    assert r.status_code == 200 and r.headers["x-qgemm-activation-format"] == formula, r.text
+
+
 def test_smollm2_token_embd_end_to_end(client: TestClient, oracle: Oracle, rng: np.random.Generator) -> None:
     x = rng.standard_normal((2, 576)).astype(np.float32)
     r = client.post("/v1/matmul", json={"model": SMOL_ID, "tensor": "token_embd.weight", "activations": x.tolist()})
