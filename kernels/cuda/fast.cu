@@ -572,8 +572,9 @@ __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, c
 // 4t..4t+3 hold k = 4t.. (low nibbles) and k = 16+4t.. (high): exactly a thread's A fragment registers a0/a2, so
 // the quants are read as they are, at half the bytes of int8 (and the fifth bits 4t.. and 16+4t.. of qh).  The
 // code-book formats (IQ4_NL, IQ4_XS, MXFP4) have the same 16 bytes of nibbles a block, each packed word looked up 8
-// codes at a time into the same two registers.  Split-K over gridDim.y (when the row blocks alone leave SMs idle)
-// adds into a zeroed Y.
+// codes at a time into the same two registers; the K-quants' words are put together from their low- and high-bit
+// runs (groups.cuh word()), with two k16 MMAs where a scale covers 16 values and an all-ones MMA for Σq_a where there
+// is a minimum.  Split-K over gridDim.y (when the row blocks alone leave SMs idle) adds into a zeroed Y.
 //
 // The copies are the cost: a stage is bulk copies (the copy engine, on Hopper), and the engine's rate of copies,
 // not of bytes, bounded this kernel.  A copy a plane and row (quants, scales, fifth bits of 16 weight rows; int8
@@ -1093,9 +1094,9 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
     }
 QGEMM_FOR_GROUPED_TYPES(GEMV_GROUPS)
 
-// The code-book formats and the K-quants at M = 5..8 (launch.py SKINNY_CODES_MIN_M; gemv_rows_<type> below that):
-// the skinny MMA above on their planes, the code books' nibbles looked up as they are read (SkinnyCodes), the
-// K-quants' values put together from two planes (SkinnyGroups)
+// The code-book formats and the K-quants from their groups.py skinny_min_m rows (launch.py takes_skinny;
+// gemv_rows_<type> below): the skinny MMA above on their planes, the code books' nibbles looked up as they are read
+// (SkinnyCodes), the K-quants' values put together from two planes (SkinnyGroups)
 #define SKINNY_PLANES(t, F)                                                                                     \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 2)                                             \
         skinny1_##t(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,         \
