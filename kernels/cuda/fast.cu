@@ -72,13 +72,6 @@ __device__ __forceinline__ void mma_s8_const(int* d, const int* a, const int* b)
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(C_BITS));
 }
-// The same for k = 16 (m16n8k16: A a0 row g and a1 row g + 8, values 4t..4t+3; B b values 4t.. of column g)
-template <int C_BITS>
-__device__ __forceinline__ void mma_s8_k16_const(int* d, int a0, int a1, int b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a0), "r"(a1), "r"(b), "r"(C_BITS));
-}
 __device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
 
 // fma.rn without .ftz: the epilogue's F is subnormal (this file is compiled with -ftz=true)
@@ -590,8 +583,13 @@ __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, c
 // two A registers of block kb of a shared row and its scale; epilogue(), MMVQ's block
 // formula, of the block's integer sum and `aux`: with G16 (a scale a 16 values) the sums are of the two halves
 // (two m16n8k16), with MIN `aux` is the activations' quant sum Σq_a (an MMA by all-ones weights).
+struct SkinnyNoWords {  // a format part whose stages are all bulk copies: nothing the filling threads copy themselves
+    struct Words {};
+    __device__ void load_words(Words&, const GPlanes&, int, int, int, int, int) const {}
+    __device__ void store_words(u8*, const Words&, int, int, int) const {}
+};
 template <typename T>
-struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked rows
+struct SkinnyLegacy : SkinnyNoWords {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked rows
     using Scale = typename T::Scale;
     using R = ChunkedRows<T>;
     static constexpr bool G16 = false, MIN = false;
@@ -604,9 +602,6 @@ struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked row
     __device__ void copy(Copy&& f, u8* s, const GPlanes& P, int n0, int rows, int chunk, int nkb) const {
         f(s, ROW, P.p0, (size_t)n0 * row_bytes + (size_t)chunk * R::CHUNK, row_bytes, rows, R::chunk_bytes(nkb));
     }
-    struct Words {};  // nothing the filling threads copy themselves
-    __device__ void load_words(Words&, const GPlanes&, int, int, int, int, int, int) const {}
-    __device__ void store_words(u8*, const Words&, int, int, int, int) const {}
     __device__ Scale load(const u8* s, bool upper, int r, int nkb, int kb, size_t, int t, int* lo, int* hi) const {
         const u8* row = s + r * ROW;
         const int v = *reinterpret_cast<const int*>(R::qs(row, kb) + 4 * t);
@@ -621,7 +616,7 @@ struct SkinnyLegacy {  // Q4_0, Q8_0, Q4_1, Q5_0, Q5_1 (common.cuh): chunked row
     __device__ static float epilogue(Scale w, float sumi, float, __half2 ds) { return split_epilogue<T>(w, sumi, ds); }
 };
 template <typename T>
-struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) and p1 (scales), a copy a plane and row
+struct SkinnyCodes : SkinnyNoWords {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 and p1, a copy a plane and row
     using Scale = float;
     static constexpr bool G16 = false, MIN = false;
     static constexpr int SC = T::BLOCK_SCALE_BYTES;
@@ -640,9 +635,6 @@ struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) 
         f(s, QS, P.p0, at * 16, KB * 16, rows, nkb * 16);
         f(s + 16 * QS, D, P.p1, at * SC, KB * SC, rows, nkb * SC);
     }
-    struct Words {};  // nothing the filling threads copy themselves
-    __device__ void load_words(Words&, const GPlanes&, int, int, int, int, int, int) const {}
-    __device__ void store_words(u8*, const Words&, int, int, int, int) const {}
     __device__ float load(const u8* s, bool upper, int r, int nkb, int kb, size_t, int t, int* lo, int* hi) const {
         const int2 v = T::Codes::lookup(*reinterpret_cast<const unsigned*>(s + r * QS + kb * 16 + 4 * t));
         *lo = v.x;
@@ -654,8 +646,8 @@ struct SkinnyCodes {  // IQ4_NL, IQ4_XS, MXFP4 (groups.cuh): planes p0 (quants) 
 };
 // The K-quants (groups.cuh QGEMM_FOR_SKINNY_K_TYPES): a stage's runs of their two value planes (low bits in p0, high
 // bits in T::hi_plane), a copy a plane and row, and their scale fields (a few bytes a super-block in up to three
-// planes), copied by the threads that fill the stage with plain loads into shared rows of 8 super-blocks
-// (stage_words): read from global memory where a thread needed them, the scales took half the kernel's time (H100,
+// planes), copied by the producer warp with plain loads into shared rows of 8 super-blocks (Words, load_words,
+// store_words): read from global memory where a thread needed them, the scales took half the kernel's time (H100,
 // M = 8, K = 14336: Q4_K 34.1 us, 17.2 with the scales left out).  MMVQ's formulas: Q4_K / Q5_K
 // d_a (d sc sumi - dmin m Σq_a), Q3_K / Q6_K d_a (d sc_lo sumi_lo + d sc_hi sumi_hi).
 template <bool FOUR> struct ScaleWord { using type = unsigned short; };
@@ -725,13 +717,13 @@ struct SkinnyGroups {
             if (k < words) row[k] = pw.v[u];
         }
     }
-    __device__ void load_words(Words& v, const GPlanes& P, int n0, int rows, int chunk, int nkb, int i, int) const {
+    __device__ void load_words(Words& v, const GPlanes& P, int n0, int rows, int chunk, int nkb, int i) const {
         static_assert(T::scale_bytes(0) == 0 && T::scale_bytes(4) == 0, "scale fields in planes p1..p3");
         load_plane<1>(v.p1, P.p1, n0, rows, chunk, nkb / 8, i);
         load_plane<2>(v.p2, P.p2, n0, rows, chunk, nkb / 8, i);
         load_plane<3>(v.p3, P.p3, n0, rows, chunk, nkb / 8, i);
     }
-    __device__ void store_words(u8* s, const Words& v, int rows, int nkb, int i, int) const {
+    __device__ void store_words(u8* s, const Words& v, int rows, int nkb, int i) const {
         store_plane<1>(s, v.p1, rows, nkb / 8, i);
         store_plane<2>(s, v.p2, rows, nkb / 8, i);
         store_plane<3>(s, v.p3, rows, nkb / 8, i);
@@ -811,8 +803,8 @@ __device__ __forceinline__ void cp_async_wait_stages(int stages) {
     else cp_async_wait<1>();
 }
 
-// `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py); w0, w1: F's
-// weight arrays (the chunked rows, or planes p0 and p1)
+// `stages` buffers of L::stage(M) bytes at `buf` (as many as keep two blocks an SM: launch.py); P: F's weight
+// arrays (the chunked rows in p0, or a grouped format's planes)
 template <typename F>
 __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                        float* __restrict__ Y, int M, int N, int K, int chunks_per_split, int stages, u8* buf) {
@@ -836,13 +828,14 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
         f(s + L::O_A, 0, aq, (size_t)(c0 + c) * M * L::A, 0, 1, M * L::A);  // the chunk's activations: two copies
         f(s + O_S, 0, ads, (size_t)(c0 + c) * M * L::S, 0, 1, M * L::S);
     };
-    // F's own copies of stage c (thread i of n): loaded into `v`, stored into the stage's buffer
+    // F's own copies of stage c (by threads 0-31 of the filling ones, thread i): loaded into `v`, stored into the
+    // stage's buffer
     auto stage_nkb = [&](int c) { return min(SKINNY_KB, KB - (c0 + c) * SKINNY_KB); };
-    auto load_words = [&](typename F::Words& v, int c, int i, int n) {
-        fmt.load_words(v, P, n0, rows, c0 + c, stage_nkb(c), i, n);
+    auto load_words = [&](typename F::Words& v, int c, int i) {
+        fmt.load_words(v, P, n0, rows, c0 + c, stage_nkb(c), i);
     };
-    auto store_words = [&](const typename F::Words& v, int c, int i, int n) {
-        fmt.store_words(buf + (c % stages) * STAGE, v, rows, stage_nkb(c), i, n);
+    auto store_words = [&](const typename F::Words& v, int c, int i) {
+        fmt.store_words(buf + (c % stages) * STAGE, v, rows, stage_nkb(c), i);
     };
     float acc[4] = {};
     auto compute = [&](int c) {  // a compute warp's blocks of stage c: every SKINNY_WARPS-th, from its own
@@ -866,8 +859,8 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
             // half, or MIN's Σq_a of m0, m1
             int d[4], x[4] = {0, 0, 0, 0};
             if constexpr (F::G16) {
-                mma_s8_k16_const<MAGIC_I>(d, a[0], a[1], b[0]);
-                mma_s8_k16_const<MAGIC_I>(x, a[2], a[3], b[1]);
+                mma16_s8_const<MAGIC_I>(d, a, b[0]);
+                mma16_s8_const<MAGIC_I>(x, a + 2, b[1]);
             } else {
                 mma_s8_const<MAGIC_I>(d, a, b);
                 if constexpr (F::MIN) {
@@ -899,7 +892,7 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
     __syncthreads();
     if (warp == SKINNY_WARPS) {
         typename F::Words words;  // F's own copies of the next stage, loaded while the producer waits for its buffer
-        if (chunks > 0) load_words(words, 0, lane, WARP);
+        if (chunks > 0) load_words(words, 0, lane);
         for (int c = 0; c < chunks; ++c) {
             unsigned long long* bar = full + c % stages;
             if (c >= stages) mbar_wait(empty + c % stages, (c / stages - 1) & 1);
@@ -908,14 +901,14 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
                 bytes += bulk_runs(d, st, p, o, rb, n, b, bar, false);
             });
             bytes = __reduce_add_sync(0xffffffffu, bytes);
-            store_words(words, c, lane, WARP);
+            store_words(words, c, lane);
             __syncwarp();  // the lanes' stores before lane 0's arrival releases them to the compute warps
             if (lane == 0) mbar_expect(bar, bytes);
             __syncwarp();
             for_runs(c, [&](u8* d, int st, const void* p, size_t o, size_t rb, int n, int b) {
                 bulk_runs(d, st, p, o, rb, n, b, bar, true);
             });
-            if (c + 1 < chunks) load_words(words, c + 1, lane, WARP);
+            if (c + 1 < chunks) load_words(words, c + 1, lane);
         }
     } else {
         for (int c = 0; c < chunks; ++c) {
@@ -930,8 +923,8 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
         if (c < chunks) {
             for_runs(c, stage_runs);
             typename F::Words words;
-            load_words(words, c, threadIdx.x, blockDim.x);
-            store_words(words, c, threadIdx.x, blockDim.x);
+            load_words(words, c, threadIdx.x);
+            store_words(words, c, threadIdx.x);
         }
         cp_async_commit();
     }
@@ -939,8 +932,8 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
         if (c + stages - 1 < chunks) {
             for_runs(c + stages - 1, stage_runs);
             typename F::Words words;
-            load_words(words, c + stages - 1, threadIdx.x, blockDim.x);
-            store_words(words, c + stages - 1, threadIdx.x, blockDim.x);
+            load_words(words, c + stages - 1, threadIdx.x);
+            store_words(words, c + stages - 1, threadIdx.x);
         }
         cp_async_commit();
         cp_async_wait_stages(stages);
