@@ -90,7 +90,7 @@ class GroupedFormat:
     # fast.cu's skinny MMA takes its products of skinny_min_m..8 rows (launch.py takes_skinny; 0: none; gemv_groups
     # the rest): a code book's 16 bytes of nibbles a 32-value block in plane p0 with the scales in p1 (SkinnyCodes),
     # or a K-quant's value fields `skinny_runs` (low bits, then high bits: the runs a stage copies) and scale fields
-    # `skinny_scales` (copied into the stage by its filling threads; SkinnyGroups).
+    # `skinny_scales` (copied into each stage by its producer warp; SkinnyGroups).
     # The row counts from which it is the faster, H100, N = 4096, K = 4096 and 14336 (kernels-at-the-limit.md, fifth
     # and sixth sessions): IQ4_NL, IQ4_XS, MXFP4 5; Q5_K 4; Q4_K 5 (4 at K = 14336); Q3_K and Q6_K 6 (5 at 14336).
     skinny_min_m = 0
