@@ -96,6 +96,14 @@ class GroupedFormat:
     skinny_min_m = 0
     skinny_runs: tuple[str, ...] = ()
     skinny_scales: tuple[str, ...] = ()
+    # mmq (fast.cu, M > 8) multiplies a format with a scale per 16 values as two k16 MMAs a block, each scaled in
+    # fp32 (H = 2), unless its integer scales fold into the values: then one k32 MMA and one scale a block
+    # (`mmq_folded`), half the epilogue.
+    mmq_folds = False
+
+    def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values [.., K] int8 with the integer group scales folded in, their scale per 32 values)."""
+        raise NotImplementedError
 
     @property
     def skinny(self) -> bool:
@@ -154,6 +162,16 @@ class Q3K(GroupedFormat):
 
     def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
         b["d"] = self.halves(b, rng, scale / (32 * 4))
+
+    # q in -4..3 times sc in -32..31 is -124..128, so -(q sc) is an int8 (-128..124) with scale -d: the sum of
+    # a block's two halves, sc_0 sumi_0 + sc_1 sumi_1, exact in the MMA's int32 (|.| <= 32 * 128 * 127)
+    mmq_folds = True
+
+    def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        q = self.decode(b)[0].reshape(*b.shape, 16, 16).astype(np.int16)
+        folded = -(q * _q3_k_scales(b["scales"])[..., None])
+        d = np.repeat(-_f64(b["d"])[..., None], 8, axis=-1)  # per 32 values
+        return folded.astype(np.int8).reshape(*b.shape[:-1], -1), d.reshape(*b.shape[:-1], -1)
 
 
 class Q4K(GroupedFormat):
@@ -283,6 +301,22 @@ def decode(type_name: str, raw: np.ndarray) -> GroupWeights:
     group = FORMATS[GGMLQuantizationType[type_name]].group_values
     return GroupWeights(type_name, np.ascontiguousarray(np.asarray(q).astype(np.int8).reshape(n, -1)), group,
                         flat(scale), flat(coef), flat(mmq_scale), flat(mmq_min))  # type: ignore[arg-type]
+
+
+def mmq_weights(type_name: str, raw: np.ndarray) -> GroupWeights:
+    """What mmq's tiles hold: `decode`'s values and MMQ scales, or where the format folds its integer scales into
+    its values (`mmq_folds`), those with a scale per 32 values (the MMVQ fields then unused: None)."""
+    fmt = grouped(type_name)
+    if not fmt.mmq_folds:
+        return decode(type_name, raw)
+    q, d = fmt.mmq_folded(blocks_of(type_name, raw))
+    return GroupWeights(type_name, np.ascontiguousarray(q), 32, None, None, d, None)  # type: ignore[arg-type]
+
+
+def mmq_scales_a_block(type_name: str) -> int:
+    """Weight scales a 32-value block of mmq's tiles (fast.cu's H): 2 for a scale per 16 values, unless folded."""
+    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    return 2 if fmt.group_values == 16 and not GROUPED[type_name].mmq_folds else 1
 
 
 def dequantize(w: GroupWeights) -> np.ndarray:

@@ -86,6 +86,26 @@ def test_mmq_formula_per_group(rng: np.random.Generator, type_name: str) -> None
     assert cmp.ok, cmp
 
 
+@pytest.mark.parametrize("type_name", GROUPED_TYPES)
+def test_mmq_tiles_fold_integer_scales(rng: np.random.Generator, type_name: str) -> None:
+    """mmq's tiles (groups.mmq_weights): Q3_K's integer scales folded into int8 values with -d a block, the
+    same weights exactly; every other format as decoded, with one scale a block unless a scale per 16 stays."""
+    n, k = 5, 512
+    raw = groups.random_blocks(type_name, n, k, rng)
+    w, tiles = groups.decode(type_name, raw), groups.mmq_weights(type_name, raw)
+    assert tiles.q.dtype == np.int8 and tiles.q.shape == (n, k)
+    scaled = tiles.q.reshape(n, -1, tiles.group) * tiles.mmq_scale[..., None]
+    assert np.array_equal(scaled.reshape(n, k), (w.q.reshape(n, -1, w.group) * w.mmq_scale[..., None]).reshape(n, k))
+    folds = groups.grouped(type_name).mmq_folds
+    assert folds == (type_name == "Q3_K")
+    assert groups.mmq_scales_a_block(type_name) == (2 if w.group == 16 and not folds else 1)
+    if folds:  # every (q, sc) pair, the extremes -4 * -32 = 128 and -4 * 31 included, fits
+        b = groups.blocks_of(type_name, raw)
+        b["scales"] = 0  # all scales -32
+        q = groups.mmq_weights(type_name, b.view(np.uint8).reshape(n, -1)).q
+        assert q.min() == -128 and q.max() == 96
+
+
 def test_d2s6_quantizer(rng: np.random.Generator) -> None:
     x = (rng.standard_normal((3, 512)) * 3).astype(np.float32)
     a = ref.quantize_q8_1_d2s6(x)

@@ -51,16 +51,23 @@
 #define WG_UNSCALE 0x1p38f
 
 // Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then the
-// barriers.  MIN (formats with a minimum, Q4_1/Q5_1: llama.cpp's (d_w d_a) sumi + m_w s_a): each stage
-// also holds the activations' block sums s_a 2^-38 (SA, float [4][64]) and the weights' minima m_w (WM,
-// float [4][128]), one more FFMA an output and block.  launch.py's MMQ_SMEM mirrors BYTES.
-// H = 2 (the formats with a scale per 16 values, Q2_K / Q3_K / Q6_K): two weight scales a block and row
-// (WD [4][2][128]), and with a minimum two sums (SA [4][2][64]) and two minima (WM [4][2][128]).
+// barriers.  MIN (formats with a minimum, Q4_1/Q5_1/Q4_K/Q5_K: llama.cpp's (d_w d_a) sumi + m_w s_a): each
+// stage also holds the activations' block sums s_a (SA, half [64][4]) and the weights' minima m_w (WM, half
+// [128][4]).  Both are halves in llama.cpp too (DS4's half2 (d, s); Q4_1's m; the K-quants' dm * (sc, m)), so
+// their products are exact in fp32 and the m_w s_a term is a K/32-deep fp16 GEMM: one m16n8k8 tensor-core
+// MMA a stage and output tile (k = the stage's 4 blocks, padded to 8) into accumulators of its own, where an
+// FFMA an output and block cost a third of the kernel (MIN_MMA).  launch.py's MMQ_SMEM mirrors BYTES.
+// H = 2 (the formats with a scale per 16 values that stay unfolded, Q2_K / Q6_K; Q3_K's fold into its values,
+// groups.py mmq_folds): two weight scales a block and row
+// (WD [4][2][128]), and with a minimum (Q2_K) two sums (SA, float s 2^-38 [4][2][64]: D2S6's last two are
+// d_a Σq_a, not halves) and two minima (WM [4][2][128]), one FFMA an output and half block.
 template <bool MIN, int H = 1>
 struct MmqSmem {
+    static constexpr bool MIN_MMA = MIN && H == 1;
+    static constexpr int MIN_BYTES = MIN_MMA ? 2 : MIN ? 4 * H : 0;  // SA and WM: bytes a block and row
     static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
-    static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + (MIN ? H * MMQ_BKB * MMQ_BM * 4 : 0);
-    static constexpr int STAGE = WM + (MIN ? H * MMQ_BKB * MMQ_BN * 4 : 0);
+    static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + MIN_BYTES * MMQ_BKB * MMQ_BM;
+    static constexpr int STAGE = WM + MIN_BYTES * MMQ_BKB * MMQ_BN;
     static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
 
@@ -73,6 +80,13 @@ __device__ __forceinline__ void mma_s8_const(int* d, const int* a, const int* b)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(C_BITS));
 }
 __device__ __forceinline__ float magic_to_float(int c) { return __int_as_float(c) - MAGIC_F; }
+
+// D += A*B, fp16 inputs, fp32 accumulators (m16n8k8): the m_w s_a term of the formats with a minimum
+__device__ __forceinline__ void mma_f16_k8(float* d, const unsigned* a, unsigned b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+}
 
 // fma.rn without .ftz: the epilogue's F is subnormal (this file is compiled with -ftz=true)
 __device__ __forceinline__ float fma_keep_denormals(float a, float b, float c) {
@@ -105,11 +119,12 @@ template <bool BULK, bool MIN = false, int H = 1>
 struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
-    const float *wd, *sa, *wm;
+    const float* wd;
+    const char *sa, *wm;  // S::MIN_BYTES a block and row
     int m0, n0, stages;
 
     __device__ MmqBlock(const i8* wq, const float* wd_, const i8* aq, const float2* dc_, int K, int stages_per_split,
-                        const float* sa_ = nullptr, const float* wm_ = nullptr) {
+                        const void* sa_ = nullptr, const void* wm_ = nullptr) {
         const int SB = (K / QK + MMQ_BKB - 1) / MMQ_BKB, s_begin = blockIdx.z * stages_per_split;
         const size_t pm = (size_t)blockIdx.y * SB + s_begin, pn = (size_t)blockIdx.x * SB + s_begin;
         m0 = blockIdx.y * MMQ_BM;
@@ -119,8 +134,8 @@ struct MmqBlock {
         b = wq + (pn << 14);
         dc = dc_ + (pm << 8);
         wd = wd_ + (pn << 9) * H;
-        sa = MIN ? sa_ + (pm << 8) * H : nullptr;  // pieces of H x 4 x 64 and H x 4 x 128 floats
-        wm = MIN ? wm_ + (pn << 9) * H : nullptr;
+        sa = MIN ? static_cast<const char*>(sa_) + (pm << 8) * S::MIN_BYTES : nullptr;  // pieces of 4 x 64 and
+        wm = MIN ? static_cast<const char*>(wm_) + (pn << 9) * S::MIN_BYTES : nullptr;  // 4 x 128 blocks and rows
     }
 
     using S = MmqSmem<MIN, H>;
@@ -144,8 +159,8 @@ struct MmqBlock {
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
             bulk_copy(st + S::WD, wd + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
             if constexpr (MIN) {
-                bulk_copy(st + S::SA, sa + ((size_t)stage << 8) * H, H * MMQ_BKB * MMQ_BM * 4, done);
-                bulk_copy(st + S::WM, wm + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
+                bulk_copy(st + S::SA, sa + ((size_t)stage << 8) * S::MIN_BYTES, S::WM - S::SA, done);
+                bulk_copy(st + S::WM, wm + ((size_t)stage << 9) * S::MIN_BYTES, S::STAGE - S::WM, done);
             }
 #endif
         } else {  // every thread: its 16-byte chunks
@@ -159,13 +174,17 @@ struct MmqBlock {
                 cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
             cp_async16(st + S::DC, chunk(dc, 8, stage), true);
 #pragma unroll
-            for (int h = 0; h < H; ++h) {  // pieces of H times the floats: H chunks a thread
-                const int o = h * MMQ_THREADS * 16;
-                cp_async16(st + S::WD + o, chunk(wd, 9, stage * H) + o, true);
-                if constexpr (MIN) {
-                    if (tid < MMQ_BKB * MMQ_BM * 4 / 16) cp_async16(st + S::SA + h * 1024, chunk(sa, 8, stage * H) + h * 1024, true);
-                    cp_async16(st + S::WM + o, chunk(wm, 9, stage * H) + o, true);
-                }
+            for (int h = 0; h < H; ++h)  // pieces of H times the floats: H chunks a thread
+                cp_async16(st + S::WD + h * MMQ_THREADS * 16, chunk(wd, 9, stage * H) + h * MMQ_THREADS * 16, true);
+            if constexpr (MIN) {  // S::MIN_BYTES x 4 x 64 and x 4 x 128 bytes: 16-byte chunks a thread
+                const char* sa_at = sa + ((size_t)stage << 8) * S::MIN_BYTES + tid * 16;
+                const char* wm_at = wm + ((size_t)stage << 9) * S::MIN_BYTES + tid * 16;
+#pragma unroll
+                for (int o = 0; o < S::WM - S::SA; o += MMQ_THREADS * 16)
+                    if (o + tid * 16 < S::WM - S::SA) cp_async16(st + S::SA + o, sa_at + o, true);
+#pragma unroll
+                for (int o = 0; o < S::STAGE - S::WM; o += MMQ_THREADS * 16)
+                    if (o + tid * 16 < S::STAGE - S::WM) cp_async16(st + S::WM + o, wm_at + o, true);
             }
         }
     }
@@ -206,9 +225,11 @@ struct MmqBlock {
     // The accumulators hold out * 2^-38.  A pair goes out as one 8-byte store (or vector atomic) when N is
     // even (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
     // sectors, that took GEMM alone at K=4096 M=512 from 57.2 to 51.4 us (Q4_0) and 50.9 to 48.7 (Q8_0).
-    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1) const {
+    // u0, u1: terms that are not scaled (MIN_MMA's m_w s_a sums), added after the scaling.
+    __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1,
+                                          float u0 = 0.f, float u1 = 0.f) const {
         if (m >= M) return;
-        const float v0 = WG_UNSCALE * a0, v1 = WG_UNSCALE * a1;
+        const float v0 = fmaf(WG_UNSCALE, a0, u0), v1 = fmaf(WG_UNSCALE, a1, u1);
         float* y = Y + (size_t)m * N + n;
         if (n + 1 < N && !(N & 1)) {
             if (!atomic) { *reinterpret_cast<float2*>(y) = make_float2(v0, v1); return; }
@@ -248,7 +269,7 @@ __device__ __forceinline__ void mma16_s8_const(int* d, const int* a, int b) {
 template <bool MIN, int H = 1, bool HALF = false>
 __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float* __restrict__ wd,
                                          const i8* __restrict__ aq, const float2* __restrict__ dc,
-                                         const float* __restrict__ sa_, const float* __restrict__ wm_,
+                                         const void* __restrict__ sa_, const void* __restrict__ wm_,
                                          float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic,
                                          char* smem) {
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
@@ -257,7 +278,9 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
     const int wm = HALF ? 0 : warp >> 1, wn = HALF ? warp : warp & 1;
     const MmqBlock<MMQ_CAN_BULK, MIN, H> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
+    constexpr bool MIN_MMA = S::MIN_MMA, MIN_FMA = MIN && !MIN_MMA;
     float acc[2][NI][4] = {};
+    float acc_min[MIN_MMA ? 2 : 1][MIN_MMA ? NI : 1][4] = {};  // MIN_MMA: the m_w s_a term, unscaled
     blk.start(smem);
     // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
     // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
@@ -270,8 +293,24 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * WCOLS + 2 * t;
-        const float* sSA = reinterpret_cast<const float*>(st + S::SA) + wm * 32 + g;  // MIN only
+        const float* sSA = reinterpret_cast<const float*>(st + S::SA) + wm * 32 + g;  // MIN_FMA only
         const float* sWM = reinterpret_cast<const float*>(st + S::WM) + wn * WCOLS + 2 * t;
+        if constexpr (MIN_MMA) {  // fragments of s_a [64][4] (A, rows m) and m_w [128][4] (B, columns n) as
+            // m16n8k8's: lane (g, t) holds k = 2t, 2t + 1, which for t >= 2 are the padding blocks 4-7 (zeros)
+            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 2 + (t & 1);
+            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 2 + (t & 1);
+            unsigned fa[2][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) fa[mi][h] = t < 2 ? hSA[(mi * 16 + 8 * h) * 2] : 0u;
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const unsigned fb = t < 2 ? hWM[ni * 16] : 0u;
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) mma_f16_k8(acc_min[mi][ni], fa[mi], fb);
+            }
+        }
 #pragma unroll kMmqUnroll
         for (int j = 0; j < MMQ_BKB; ++j) {
             int a[2][4], b[NI][2];
@@ -295,7 +334,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                     da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
 #pragma unroll
                     for (int hh = 0; hh < H; ++hh)
-                        if constexpr (MIN) sa[mi][hh][h] = sSA[(j * H + hh) * MMQ_BM + mi * 16 + 8 * h];
+                        if constexpr (MIN_FMA) sa[mi][hh][h] = sSA[(j * H + hh) * MMQ_BM + mi * 16 + 8 * h];
                 }
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
@@ -303,7 +342,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                 for (int hh = 0; hh < H; ++hh) {
                     const float2 w = *reinterpret_cast<const float2*>(sWD + (j * H + hh) * MMQ_BN + ni * 8);
                     float2 mw;
-                    if constexpr (MIN) mw = *reinterpret_cast<const float2*>(sWM + (j * H + hh) * MMQ_BN + ni * 8);
+                    if constexpr (MIN_FMA) mw = *reinterpret_cast<const float2*>(sWM + (j * H + hh) * MMQ_BN + ni * 8);
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         int c[4];
@@ -314,7 +353,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                             const float2 d = da[mi][e >> 1];
                             const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
                             acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
-                            if constexpr (MIN)
+                            if constexpr (MIN_FMA)
                                 acc[mi][ni][e] = fmaf(sa[mi][hh][e >> 1], (e & 1) ? mw.y : mw.x, acc[mi][ni][e]);
                         }
                     }
@@ -329,12 +368,13 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
 #pragma unroll
             for (int h = 0; h < 2; ++h)
                 blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * WCOLS + ni * 8 + 2 * t,
-                          acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+                          acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1],
+                          MIN_MMA ? acc_min[mi][ni][2 * h] : 0.f, MIN_MMA ? acc_min[mi][ni][2 * h + 1] : 0.f);
 }
 
 // The entries, each also as name_m32 (HALF, for M <= 32; launch: Mmq).  Formats with a minimum: unsigned weights,
 // and the m_w s_a term (sa: the activations' sums, tiled as dc).  mmq16: the formats with a scale per 16 values
-// (Q3_K, Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa hold two values a block and row, the halves'
+// (Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa hold two values a block and row, the halves'
 // (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).
 #define MMQ_ENTRY(name, H, HALF)                                                                                \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
@@ -347,7 +387,7 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
 #define MMQ_ENTRY_MIN(name, H, HALF)                                                                            \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
         name(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,               \
-             const float2* __restrict__ dc, const float* __restrict__ sa, const float* __restrict__ wm,        \
+             const float2* __restrict__ dc, const void* __restrict__ sa, const void* __restrict__ wm,          \
              float* __restrict__ Y, int M, int N, int K, int stages_per_split, int atomic) {                    \
         extern __shared__ __align__(128) char smem[];                                                           \
         mmq_tile<true, H, HALF>(wq, wd, aq, dc, sa, wm, Y, M, N, K, stages_per_split, atomic, smem);            \

@@ -38,7 +38,7 @@ from kernels.cuda.launch import (
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
 from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
-from kernels.groups import GROUPED
+from kernels.groups import GROUPED, mmq_scales_a_block
 from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
 
@@ -166,7 +166,7 @@ class Mmq(CudaKernel):
         grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
         base, minimum = self.entry, "wm" in w
         fmt = format_of(type_name)
-        if fmt is not None and fmt.group_values == 16:
+        if fmt is not None and fmt.grouped and mmq_scales_a_block(type_name) == 2:
             assert base == "mmq", "mmq_wgmma takes one scale per 32 values only"
             base = "mmq16"
         if minimum:

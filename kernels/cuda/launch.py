@@ -18,11 +18,19 @@ def cdiv(a: int, b: int) -> int:
 MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
 MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4
 MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and their mbarriers
-MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * (MMQ_BM + MMQ_BN) * 4 + 8)  # MmqSmem<true>: with SA and WM
+
+
+def mmq_min_bytes(h: int) -> int:
+    """MmqSmem::MIN_BYTES: bytes of s_a and of m_w a block and row: halves (the fp16 MMA's operands) where a block
+    has one weight scale, H = 2 floats where it has two (Q2_K)."""
+    return 2 if h == 1 else 4 * h
+
+
+MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * (MMQ_BM + MMQ_BN) * mmq_min_bytes(1) + 8)  # MmqSmem<true>
 MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 2 KiB tile of -128s
 # MmqSmem<MIN, 2> (mmq16, mmq16_min): two weight scales a block, and two minima and sums
 MMQ16_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 8)
-MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 2 * MMQ_BKB * (MMQ_BM + MMQ_BN) * 4 + 8)
+MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + MMQ_BKB * (MMQ_BM + MMQ_BN) * mmq_min_bytes(2) + 8)
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 

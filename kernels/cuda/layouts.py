@@ -26,13 +26,14 @@ from kernels.cuda.launch import (
     MMQ_BN,
     cdiv,
     chunked_row_bytes,
+    mmq_min_bytes,
     mmq_tiles,
     quantize_mmq_kernel,
     quantize_mmq_warps,
     takes_skinny,
 )
 from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
-from kernels.groups import GROUPED
+from kernels.groups import GROUPED, mmq_scales_a_block, mmq_weights
 from kernels.kernel import Layout
 
 try:
@@ -105,8 +106,9 @@ class MmqTiles(WeightLayout):
 
     def nbytes(self, type_name: str, n: int, k: int) -> int:
         fmt = _format(type_name)
-        h = 2 if fmt.group_values == 16 else 1  # weight scales a block (and minima)
-        per_block = QK + 4 * h * (2 if fmt.has_min or fmt.group_min else 1)
+        h = mmq_scales_a_block(type_name) if fmt.grouped else 1  # weight scales a block (and minima)
+        minimum = fmt.has_min or fmt.group_min
+        per_block = QK + 4 * h + (mmq_min_bytes(h) if minimum else 0)
         return math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * per_block
 
     def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
@@ -116,9 +118,7 @@ class MmqTiles(WeightLayout):
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
         qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
         if fmt.grouped:  # the integers and group scales of llama.cpp's MMQ tiles (groups.py)
-            from kernels.groups import decode
-
-            gw = decode(type_name, raw)
+            gw = mmq_weights(type_name, raw)
             qp[:n, :k] = gw.q
             d, mins, h = gw.mmq_scale, gw.mmq_min, QK // gw.group
         else:
@@ -128,17 +128,19 @@ class MmqTiles(WeightLayout):
             qp[:n, :k] = q.astype(np.int16) - fmt.offset  # signed, as llama.cpp's MMQ tiles (Q4_0: q - 8; Q4_1: q)
             h = 1
 
-        def scale_tiles(v: np.ndarray) -> np.ndarray:  # per block, half and row: [tile][stage][block][half][row]
-            full = np.zeros((rows, kbp * h), dtype=np.float32)
-            full[:n, :kb * h] = v.astype(np.float32)
-            t = full.reshape(nt, MMQ_BN, sb, MMQ_BKB * h).transpose(0, 2, 3, 1)
+        def scale_tiles(v: np.ndarray, dtype: Any = np.float32, row_major: bool = False) -> np.ndarray:
+            """Per block, half and row: [tile][stage][block][half][row] (or [tile][stage][row][block][half])."""
+            full = np.zeros((rows, kbp * h), dtype=dtype)
+            full[:n, :kb * h] = v.astype(dtype)
+            t = full.reshape(nt, MMQ_BN, sb, MMQ_BKB * h).transpose((0, 2, 1, 3) if row_major else (0, 2, 3, 1))
             return np.ascontiguousarray(t).reshape(-1)
 
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
         out = {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
-        if mins is not None:  # m_w, what the m_w s_a term multiplies by
-            out["wm"] = cupy.asarray(scale_tiles(mins))
+        if mins is not None:  # m_w, what the m_w s_a term multiplies by: halves, the B operand of an fp16 MMA
+            half = mmq_min_bytes(h) == 2  # (they are halves in llama.cpp), or floats where H = 2 (fast.cu MmqSmem)
+            out["wm"] = cupy.asarray(scale_tiles(mins, np.float16, True) if half else scale_tiles(mins))
         return out
 
 
@@ -368,14 +370,17 @@ class Q8_1Mmq(ActivationLayout):
 
     def __init__(self, name: str, half_d: bool, sums: int):
         super().__init__(name)
-        self.half_d, self.sums = half_d, sums  # sums: floats of s_a per block and row (0, 1, or 2 for D2S6)
+        # sums: s_a per block and row: 0; 1 (DS4: a half, [tile][stage][row][block]); 2 (D2S6: floats s 2^-38,
+        # [tile][stage][block][half][row])
+        self.half_d, self.sums = half_d, sums
 
     def buffers(self, m: int, k: int) -> Any:
         pieces = math.prod(mmq_tiles(m, k, MMQ_BM))
         bufs = {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
                 "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
         if self.sums:
-            bufs["sa"] = cupy.empty(self.sums * pieces * MMQ_BKB * MMQ_BM, dtype=cupy.float32)
+            bufs["sa"] = cupy.empty(self.sums * pieces * MMQ_BKB * MMQ_BM,
+                                    dtype=cupy.float16 if self.sums == 1 else cupy.float32)
         return bufs
 
     def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
@@ -411,8 +416,11 @@ class Q8_1Mmq(ActivationLayout):
             s16 = (t.reshape(-1, sb * 8)[:m, :kb * 2] * np.float32(2.0 ** 38)).reshape(m, -1, 8)
             s16[..., 6:] = 0
             return Q8_1(q, d[:, ::2].astype(np.float16), s16.reshape(m, -1).astype(np.float16))
-        s = (untile(bufs["sa"]) * np.float32(2.0 ** 38)).astype(np.float16) if "sa" in bufs else \
-            np.zeros((m, kb), dtype=np.float16)  # no sums: the signed formats' formula reads none
+        if "sa" in bufs:  # [tile][stage][row][block] halves
+            t = cupy.asnumpy(bufs["sa"]).reshape(mt, sb, MMQ_BM, MMQ_BKB).transpose(0, 2, 1, 3)
+            s = np.ascontiguousarray(t.reshape(-1, kbp)[:m, :kb])
+        else:  # no sums: the signed formats' formula reads none
+            s = np.zeros((m, kb), dtype=np.float16)
         return Q8_1(q, d.astype(np.float16) if self.half_d else np.ascontiguousarray(d), s)
 
 

@@ -129,25 +129,25 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 //   dc: [M/64][SB][4 blocks][64 rows] float2 (d * 2^111, -d * 2^-19): the GEMM's epilogue turns its
 //       2^19-biased int32 into d*sumi*2^-38 with one FFMA (fast.cu); d is the block's scale in float
 //       (llama.cpp's D4 layout, Q8_0 weights) or rounded to half (DS4, Q4_0), per `half_d`
-//   sa (weights with a minimum only, else null): [M/64][SB][4 blocks][64 rows] float, the block's sum of x
+//   sa (weights with a minimum only, else null): [M/64][SB][64 rows][4 blocks] half, the block's sum of x
 //       (four values a lane added in order, then a butterfly over the block's 8 lanes) rounded to half as
-//       llama.cpp's DS4 stores it, times 2^-38 (the scale of mmq's accumulators)
+//       llama.cpp's DS4 stores it: the A operand of mmq's fp16 MMA for the m_w s_a term
 // with SB = K/128 rounded up.  Rows past M are never read as data; blocks past K/32 get d = 0 here
 // (their quants meet zero weights).  Both products are exact: powers of two times d (|d| < 2^16).
 
 // A block's scales into the mmq layout (its row mr of the row tile whose first piece is `piece`); the last
 // block of a row also zeroes the padding blocks of its last stage.
-__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, float* __restrict__ sa, size_t piece, int mr,
+__device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, __half* __restrict__ sa, size_t piece, int mr,
                                                  int kb, int KB, int SB, float d, float sum, int half_d) {
     const float dd = half_d ? __half2float(__float2half(d)) : d;
     const size_t at = ((piece + (kb >> 2)) << 8) + ((kb & 3) << 6) + mr;
     dc[at] = make_float2(dd * 0x1p111f, dd * -0x1p-19f);
-    if (sa) sa[at] = __half2float(__float2half(sum)) * 0x1p-38f;
+    const size_t sa_at = ((piece + (kb >> 2)) << 8) + (mr << 2) + (kb & 3);
+    if (sa) sa[sa_at] = __float2half(sum);
     if (kb == KB - 1)
         for (int kp = kb + 1; kp < 4 * SB; ++kp) {
-            const size_t pad = ((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr;
-            dc[pad] = make_float2(0.f, 0.f);
-            if (sa) sa[pad] = 0.f;
+            dc[((piece + (kp >> 2)) << 8) + ((kp & 3) << 6) + mr] = make_float2(0.f, 0.f);
+            if (sa) sa[((piece + (kp >> 2)) << 8) + (mr << 2) + (kp & 3)] = __float2half(0.f);
         }
 }
 
@@ -158,7 +158,7 @@ __device__ __forceinline__ void store_mmq_scales(float2* __restrict__ dc, float*
 // load each, latency-bound (17.3 us against 14.9 with G = 4).
 template <int G>
 __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc,
-                             float* __restrict__ sa, int M, int K, int SB, int half_d) {
+                             __half* __restrict__ sa, int M, int K, int SB, int half_d) {
     const int KB = K / QK, lane = threadIdx.x % WARP;
     const unsigned KG = (KB + G - 1) / G, warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     const int kb0 = int(warp % KG) * G, m = int(warp / KG) * 4 + (lane >> 3);
@@ -188,7 +188,7 @@ __device__ void quantize_mmq(const float* __restrict__ x, i8* __restrict__ qs, f
     }
 }
 #define QUANTIZE_MMQ(G, name)                                                                                   \
-    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, float* sa, int M, int K, int SB,         \
+    extern "C" __global__ void name(const float* x, i8* qs, float2* dc, __half* sa, int M, int K, int SB,        \
                                     int half_d) {                                                               \
         quantize_mmq<G>(x, qs, dc, sa, M, K, SB, half_d);                                                       \
     }
@@ -208,7 +208,7 @@ QUANTIZE_MMQ(4, quantize_q8_1_mmq4)
 // M = 2048 K = 4096 15.7 -> 14.6; slower on small grids (M = 128 K = 4096 2.3 -> 2.6 us), which keep the
 // kernel above.  It writes no sums (sa must be null: launch.py takes the kernels above for formats with a minimum).
 extern "C" __global__ void __launch_bounds__(256)
-quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, float* sa, int M,
+quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2* __restrict__ dc, __half* sa, int M,
                        int K, int SB, int half_d) {
     __shared__ float4 stage[8][16][8];  // a warp's 16 (row, block) pairs x 8 chunks of 4 values
     const int KB = K / QK, lane = threadIdx.x % WARP, w = threadIdx.x / WARP, h = (lane >> 3) & 1;
