@@ -51,23 +51,23 @@
 #define WG_UNSCALE 0x1p38f
 
 // Byte offsets in shared memory: MMQ_STAGES stage buffers (each global piece as it is), then the
-// barriers.  MIN (formats with a minimum, Q4_1/Q5_1/Q4_K/Q5_K: llama.cpp's (d_w d_a) sumi + m_w s_a): each
-// stage also holds the activations' block sums s_a (SA, half [64][4]) and the weights' minima m_w (WM, half
-// [128][4]).  Both are halves in llama.cpp too (DS4's half2 (d, s); Q4_1's m; the K-quants' dm * (sc, m)), so
-// their products are exact in fp32 and the m_w s_a term is a K/32-deep fp16 GEMM: one m16n8k8 tensor-core
-// MMA a stage and output tile (k = the stage's 4 blocks, padded to 8) into accumulators of its own, where an
-// FFMA an output and block cost a third of the kernel (MIN_MMA).  launch.py's MMQ_SMEM mirrors BYTES.
-// H = 2 (the formats with a scale per 16 values that stay unfolded, Q2_K / Q6_K; Q3_K's fold into its values,
-// groups.py mmq_folds): two weight scales a block and row
-// (WD [4][2][128]), and with a minimum (Q2_K) two sums (SA, float s 2^-38 [4][2][64]: D2S6's last two are
-// d_a Σq_a, not halves) and two minima (WM [4][2][128]), one FFMA an output and half block.
+// barriers.  MIN (formats with a minimum: llama.cpp's (d_w d_a) sumi + m_w s_a): each stage also holds the
+// activations' block sums s_a (SA) and the weights' minima m_w (WM) as halves, as llama.cpp holds them (DS4's
+// half2 (d, s); Q4_1's m; the K-quants' dm * (sc, m) rounded to half), so that their products are exact in
+// fp32 and the m_w s_a term is a K/32-deep fp16 GEMM: one m16n8k8 tensor-core MMA a stage and output tile into
+// accumulators of its own, where an FFMA an output and block had cost a third of the kernel.
+//   H = 1 (Q4_1, Q5_1, Q4_K, Q5_K): SA half [64][4], WM half [128][4] (k = the stage's 4 blocks, 4-7 zero).
+//   H = 2 (Q2_K: a scale and a minimum per 16 values; Q6_K has no minimum): SA half [64][8] with D2S6's sums
+//   of halves 0-5 and zeros, then float [2][64]: halves 6 and 7, whose D2S6 "sum" d_a Σq_a is no half
+//   (llama.cpp forms it in float), times 2^-38; WM half [128][8], then float [2][128] for halves 6 and 7,
+//   which take an FFMA an output and stage.  Two weight scales a block and row (WD [4][2][128]).
+// launch.py's MMQ_SMEM mirrors BYTES.
 template <bool MIN, int H = 1>
 struct MmqSmem {
-    static constexpr bool MIN_MMA = MIN && H == 1;
-    static constexpr int MIN_BYTES = MIN_MMA ? 2 : MIN ? 4 * H : 0;  // SA and WM: bytes a block and row
+    static constexpr int SA_BYTES = !MIN ? 0 : H == 1 ? MMQ_BM * 8 : MMQ_BM * (16 + 8);
+    static constexpr int WM_BYTES = !MIN ? 0 : H == 1 ? MMQ_BN * 8 : MMQ_BN * (16 + 8);
     static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
-    static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + MIN_BYTES * MMQ_BKB * MMQ_BM;
-    static constexpr int STAGE = WM + MIN_BYTES * MMQ_BKB * MMQ_BN;
+    static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + SA_BYTES, STAGE = WM + WM_BYTES;
     static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
 
@@ -120,7 +120,7 @@ struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
     const float* wd;
-    const char *sa, *wm;  // S::MIN_BYTES a block and row
+    const char *sa, *wm;  // pieces of S::SA_BYTES and S::WM_BYTES
     int m0, n0, stages;
 
     __device__ MmqBlock(const i8* wq, const float* wd_, const i8* aq, const float2* dc_, int K, int stages_per_split,
@@ -134,8 +134,8 @@ struct MmqBlock {
         b = wq + (pn << 14);
         dc = dc_ + (pm << 8);
         wd = wd_ + (pn << 9) * H;
-        sa = MIN ? static_cast<const char*>(sa_) + (pm << 8) * S::MIN_BYTES : nullptr;  // pieces of 4 x 64 and
-        wm = MIN ? static_cast<const char*>(wm_) + (pn << 9) * S::MIN_BYTES : nullptr;  // 4 x 128 blocks and rows
+        sa = MIN ? static_cast<const char*>(sa_) + pm * S::SA_BYTES : nullptr;
+        wm = MIN ? static_cast<const char*>(wm_) + pn * S::WM_BYTES : nullptr;
     }
 
     using S = MmqSmem<MIN, H>;
@@ -159,8 +159,8 @@ struct MmqBlock {
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
             bulk_copy(st + S::WD, wd + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
             if constexpr (MIN) {
-                bulk_copy(st + S::SA, sa + ((size_t)stage << 8) * S::MIN_BYTES, S::WM - S::SA, done);
-                bulk_copy(st + S::WM, wm + ((size_t)stage << 9) * S::MIN_BYTES, S::STAGE - S::WM, done);
+                bulk_copy(st + S::SA, sa + (size_t)stage * S::SA_BYTES, S::SA_BYTES, done);
+                bulk_copy(st + S::WM, wm + (size_t)stage * S::WM_BYTES, S::WM_BYTES, done);
             }
 #endif
         } else {  // every thread: its 16-byte chunks
@@ -176,15 +176,15 @@ struct MmqBlock {
 #pragma unroll
             for (int h = 0; h < H; ++h)  // pieces of H times the floats: H chunks a thread
                 cp_async16(st + S::WD + h * MMQ_THREADS * 16, chunk(wd, 9, stage * H) + h * MMQ_THREADS * 16, true);
-            if constexpr (MIN) {  // S::MIN_BYTES x 4 x 64 and x 4 x 128 bytes: 16-byte chunks a thread
-                const char* sa_at = sa + ((size_t)stage << 8) * S::MIN_BYTES + tid * 16;
-                const char* wm_at = wm + ((size_t)stage << 9) * S::MIN_BYTES + tid * 16;
+            if constexpr (MIN) {  // 16-byte chunks a thread
+                const char* sa_at = sa + (size_t)stage * S::SA_BYTES + tid * 16;
+                const char* wm_at = wm + (size_t)stage * S::WM_BYTES + tid * 16;
 #pragma unroll
-                for (int o = 0; o < S::WM - S::SA; o += MMQ_THREADS * 16)
-                    if (o + tid * 16 < S::WM - S::SA) cp_async16(st + S::SA + o, sa_at + o, true);
+                for (int o = 0; o < S::SA_BYTES; o += MMQ_THREADS * 16)
+                    if (o + tid * 16 < S::SA_BYTES) cp_async16(st + S::SA + o, sa_at + o, true);
 #pragma unroll
-                for (int o = 0; o < S::STAGE - S::WM; o += MMQ_THREADS * 16)
-                    if (o + tid * 16 < S::STAGE - S::WM) cp_async16(st + S::WM + o, wm_at + o, true);
+                for (int o = 0; o < S::WM_BYTES; o += MMQ_THREADS * 16)
+                    if (o + tid * 16 < S::WM_BYTES) cp_async16(st + S::WM + o, wm_at + o, true);
             }
         }
     }
@@ -225,11 +225,13 @@ struct MmqBlock {
     // The accumulators hold out * 2^-38.  A pair goes out as one 8-byte store (or vector atomic) when N is
     // even (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
     // sectors, that took GEMM alone at K=4096 M=512 from 57.2 to 51.4 us (Q4_0) and 50.9 to 48.7 (Q8_0).
-    // u0, u1: terms that are not scaled (MIN_MMA's m_w s_a sums), added after the scaling.
+    // UNSCALED: u0, u1 are terms that are not scaled (MIN's m_w s_a sums), added after the scaling.
+    template <bool UNSCALED = false>
     __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1,
                                           float u0 = 0.f, float u1 = 0.f) const {
         if (m >= M) return;
-        const float v0 = fmaf(WG_UNSCALE, a0, u0), v1 = fmaf(WG_UNSCALE, a1, u1);
+        const float v0 = UNSCALED ? fmaf(WG_UNSCALE, a0, u0) : WG_UNSCALE * a0;
+        const float v1 = UNSCALED ? fmaf(WG_UNSCALE, a1, u1) : WG_UNSCALE * a1;
         float* y = Y + (size_t)m * N + n;
         if (n + 1 < N && !(N & 1)) {
             if (!atomic) { *reinterpret_cast<float2*>(y) = make_float2(v0, v1); return; }
@@ -278,9 +280,11 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
     const int wm = HALF ? 0 : warp >> 1, wn = HALF ? warp : warp & 1;
     const MmqBlock<MMQ_CAN_BULK, MIN, H> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
-    constexpr bool MIN_MMA = S::MIN_MMA, MIN_FMA = MIN && !MIN_MMA;
     float acc[2][NI][4] = {};
-    float acc_min[MIN_MMA ? 2 : 1][MIN_MMA ? NI : 1][4] = {};  // MIN_MMA: the m_w s_a term, unscaled
+    // MIN, H = 1: the m_w s_a term, unscaled, added at the store.  H = 2 (mmq16_min) has no registers to spare for
+    // it: its stage's part goes into the scaled accumulators (times 2^-38, exact) after the stage's MMAs.
+    constexpr bool KEEP_MIN = MIN && H == 1;
+    float acc_min[KEEP_MIN ? 2 : 1][KEEP_MIN ? NI : 1][4] = {};
     blk.start(smem);
     // ldmatrix row addresses: lane l gives row (l & 7) + 8 * ((l >> 3) & 1) of A at byte offset 16 * (l >> 4),
     // so .x4 returns a0..a3 of an m16n8k32 int8 A fragment; for B, lanes 0-15 address n-tile 2p and
@@ -293,22 +297,47 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * WCOLS + 2 * t;
-        const float* sSA = reinterpret_cast<const float*>(st + S::SA) + wm * 32 + g;  // MIN_FMA only
-        const float* sWM = reinterpret_cast<const float*>(st + S::WM) + wn * WCOLS + 2 * t;
-        if constexpr (MIN_MMA) {  // fragments of s_a [64][4] (A, rows m) and m_w [128][4] (B, columns n) as
-            // m16n8k8's: lane (g, t) holds k = 2t, 2t + 1, which for t >= 2 are the padding blocks 4-7 (zeros)
-            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 2 + (t & 1);
-            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 2 + (t & 1);
+        if constexpr (MIN) {  // fragments of s_a (A, rows m) and m_w (B, columns n) as m16n8k8's: lane (g, t)
+            // holds k = 2t, 2t + 1: for H = 1 blocks 4-7 when t >= 2, zeros; for H = 2 halves 6 and 7 when t = 3,
+            // whose s_a are zeros here (their terms: the FFMAs below)
+            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 2 * H;
+            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 2 * H;
+            const int kw = H == 1 ? (t & 1) : t;
             unsigned fa[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) fa[mi][h] = t < 2 ? hSA[(mi * 16 + 8 * h) * 2] : 0u;
+                for (int h = 0; h < 2; ++h) fa[mi][h] = H == 2 || t < 2 ? hSA[(mi * 16 + 8 * h) * 2 * H + kw] : 0u;
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
-                const unsigned fb = t < 2 ? hWM[ni * 16] : 0u;
+                const unsigned fb = H == 2 || t < 2 ? hWM[ni * 16 * H + kw] : 0u;
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) mma_f16_k8(acc_min[mi][ni], fa[mi], fb);
+                for (int mi = 0; mi < 2; ++mi) {
+                    if constexpr (KEEP_MIN) {
+                        mma_f16_k8(acc_min[mi][ni], fa[mi], fb);
+                    } else {
+                        float part[4] = {};
+                        mma_f16_k8(part, fa[mi], fb);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], 0x1p-38f, acc[mi][ni][e]);
+                    }
+                }
+            }
+            if constexpr (H == 2) {  // halves 6 and 7: s 2^-38 and m_w in float, into the scaled accumulators
+                const float* s67 = reinterpret_cast<const float*>(st + S::SA + MMQ_BM * 16) + wm * 32 + g;
+                const float* m67 = reinterpret_cast<const float*>(st + S::WM + MMQ_BN * 16) + wn * WCOLS + 2 * t;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                    for (int ni = 0; ni < NI; ++ni) {
+                        const float2 mw = *reinterpret_cast<const float2*>(m67 + hh * MMQ_BN + ni * 8);
+#pragma unroll
+                        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                acc[mi][ni][e] = fmaf(s67[hh * MMQ_BM + mi * 16 + 8 * (e >> 1)], (e & 1) ? mw.y : mw.x,
+                                                      acc[mi][ni][e]);
+                    }
             }
         }
 #pragma unroll kMmqUnroll
@@ -326,23 +355,15 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                 b[2 * p + 1][1] = v[3];
             }
             float2 da[2][2];
-            float sa[2][H][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
-#pragma unroll
-                    for (int hh = 0; hh < H; ++hh)
-                        if constexpr (MIN_FMA) sa[mi][hh][h] = sSA[(j * H + hh) * MMQ_BM + mi * 16 + 8 * h];
-                }
+                for (int h = 0; h < 2; ++h) da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
                 for (int hh = 0; hh < H; ++hh) {
                     const float2 w = *reinterpret_cast<const float2*>(sWD + (j * H + hh) * MMQ_BN + ni * 8);
-                    float2 mw;
-                    if constexpr (MIN_FMA) mw = *reinterpret_cast<const float2*>(sWM + (j * H + hh) * MMQ_BN + ni * 8);
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
                         int c[4];
@@ -353,8 +374,6 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
                             const float2 d = da[mi][e >> 1];
                             const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
                             acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
-                            if constexpr (MIN_FMA)
-                                acc[mi][ni][e] = fmaf(sa[mi][hh][e >> 1], (e & 1) ? mw.y : mw.x, acc[mi][ni][e]);
                         }
                     }
                 }
@@ -367,9 +386,10 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * WCOLS + ni * 8 + 2 * t,
-                          acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1],
-                          MIN_MMA ? acc_min[mi][ni][2 * h] : 0.f, MIN_MMA ? acc_min[mi][ni][2 * h + 1] : 0.f);
+                blk.template store<KEEP_MIN>(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h,
+                                             blk.n0 + wn * WCOLS + ni * 8 + 2 * t, acc[mi][ni][2 * h],
+                                             acc[mi][ni][2 * h + 1], acc_min[KEEP_MIN ? mi : 0][KEEP_MIN ? ni : 0][2 * h],
+                                             acc_min[KEEP_MIN ? mi : 0][KEEP_MIN ? ni : 0][2 * h + 1]);
 }
 
 // The entries, each also as name_m32 (HALF, for M <= 32; launch: Mmq).  Formats with a minimum: unsigned weights,

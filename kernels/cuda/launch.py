@@ -21,16 +21,16 @@ MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and
 
 
 def mmq_min_bytes(h: int) -> int:
-    """MmqSmem::MIN_BYTES: bytes of s_a and of m_w a block and row: halves (the fp16 MMA's operands) where a block
-    has one weight scale, H = 2 floats where it has two (Q2_K)."""
-    return 2 if h == 1 else 4 * h
+    """Bytes of a row's s_a (and of its m_w) a stage (MmqSmem::SA_BYTES / 64, WM_BYTES / 128): 4 halves (H = 1),
+    or Q2_K's 8 halves and 2 floats (H = 2)."""
+    return 8 if h == 1 else 24
 
 
-MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * (MMQ_BM + MMQ_BN) * mmq_min_bytes(1) + 8)  # MmqSmem<true>
+MMQ_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + (MMQ_BM + MMQ_BN) * mmq_min_bytes(1) + 8)  # MmqSmem<true>
 MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 2 KiB tile of -128s
 # MmqSmem<MIN, 2> (mmq16, mmq16_min): two weight scales a block, and two minima and sums
 MMQ16_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 8)
-MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + MMQ_BKB * (MMQ_BM + MMQ_BN) * mmq_min_bytes(2) + 8)
+MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + (MMQ_BM + MMQ_BN) * mmq_min_bytes(2) + 8)
 MMQ_BLOCKS_PER_SM = 2  # __launch_bounds__(MMQ_THREADS, 2), and two blocks' shared memory fit an SM
 
 

@@ -108,7 +108,7 @@ class MmqTiles(WeightLayout):
         fmt = _format(type_name)
         h = mmq_scales_a_block(type_name) if fmt.grouped else 1  # weight scales a block (and minima)
         minimum = fmt.has_min or fmt.group_min
-        per_block = QK + 4 * h + (mmq_min_bytes(h) if minimum else 0)
+        per_block = QK + 4 * h + (mmq_min_bytes(h) // MMQ_BKB if minimum else 0)
         return math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * per_block
 
     def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
@@ -138,9 +138,15 @@ class MmqTiles(WeightLayout):
         # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
         cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
         out = {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
-        if mins is not None:  # m_w, what the m_w s_a term multiplies by: halves, the B operand of an fp16 MMA
-            half = mmq_min_bytes(h) == 2  # (they are halves in llama.cpp), or floats where H = 2 (fast.cu MmqSmem)
-            out["wm"] = cupy.asarray(scale_tiles(mins, np.float16, True) if half else scale_tiles(mins))
+        if mins is not None:  # m_w, what the m_w s_a term multiplies by: halves (as in llama.cpp), the B operand of
+            # mmq's fp16 MMA, [tile][stage][row][block][half]; for Q2_K (H = 2) each piece then has halves 6 and 7
+            # of its stage as floats [2][row] (fast.cu MmqSmem)
+            wm = scale_tiles(mins, np.float16, True)
+            if h == 2:
+                f = scale_tiles(mins).reshape(nt, sb, MMQ_BKB * h, MMQ_BN)[:, :, 6:]
+                wm = np.concatenate([wm.view(np.uint8).reshape(nt * sb, -1),
+                                     np.ascontiguousarray(f).view(np.uint8).reshape(nt * sb, -1)], axis=1)
+            out["wm"] = cupy.asarray(wm.reshape(-1))
         return out
 
 
@@ -370,8 +376,8 @@ class Q8_1Mmq(ActivationLayout):
 
     def __init__(self, name: str, half_d: bool, sums: int):
         super().__init__(name)
-        # sums: s_a per block and row: 0; 1 (DS4: a half, [tile][stage][row][block]); 2 (D2S6: floats s 2^-38,
-        # [tile][stage][block][half][row])
+        # sums: s_a per block: 0; 1 (DS4: a half, [tile][stage][row][block]); 2 (D2S6: per half block, fast.cu
+        # MmqSmem H = 2: pieces of [row][8] halves and [2][row] floats)
         self.half_d, self.sums = half_d, sums
 
     def buffers(self, m: int, k: int) -> Any:
@@ -379,8 +385,7 @@ class Q8_1Mmq(ActivationLayout):
         bufs = {"qs": cupy.empty(pieces * MMQ_BM * MMQ_BKB * QK, dtype=cupy.int8),
                 "dc": cupy.empty(pieces * MMQ_BKB * MMQ_BM * 2, dtype=cupy.float32)}
         if self.sums:
-            bufs["sa"] = cupy.empty(self.sums * pieces * MMQ_BKB * MMQ_BM,
-                                    dtype=cupy.float16 if self.sums == 1 else cupy.float32)
+            bufs["sa"] = cupy.empty(pieces * MMQ_BM * mmq_min_bytes(self.sums), dtype=cupy.uint8)
         return bufs
 
     def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
@@ -412,12 +417,12 @@ class Q8_1Mmq(ActivationLayout):
         d = untile(bufs["dc"], 2)[..., 0] * np.float32(2.0 ** -111)  # exact
         q = np.ascontiguousarray(qs.reshape(-1, kbp * QK)[:m, :k])
         if self.name == "mmq_d2s6":  # d per 64 values; sums per 16, those of halves 6 and 7 (d Σq there) as 0
-            t = cupy.asnumpy(bufs["sa"]).reshape(mt, sb, MMQ_BKB * 2, MMQ_BM).transpose(0, 3, 1, 2)
-            s16 = (t.reshape(-1, sb * 8)[:m, :kb * 2] * np.float32(2.0 ** 38)).reshape(m, -1, 8)
-            s16[..., 6:] = 0
-            return Q8_1(q, d[:, ::2].astype(np.float16), s16.reshape(m, -1).astype(np.float16))
+            pieces = cupy.asnumpy(bufs["sa"]).reshape(mt, sb, -1)[:, :, :MMQ_BM * 16]  # the halves
+            t = pieces.copy().view(np.float16).reshape(mt, sb, MMQ_BM, 8).transpose(0, 2, 1, 3)
+            s16 = np.ascontiguousarray(t.reshape(-1, sb * 8)[:m, :kb * 2])
+            return Q8_1(q, d[:, ::2].astype(np.float16), s16)
         if "sa" in bufs:  # [tile][stage][row][block] halves
-            t = cupy.asnumpy(bufs["sa"]).reshape(mt, sb, MMQ_BM, MMQ_BKB).transpose(0, 2, 1, 3)
+            t = cupy.asnumpy(bufs["sa"]).view(np.float16).reshape(mt, sb, MMQ_BM, MMQ_BKB).transpose(0, 2, 1, 3)
             s = np.ascontiguousarray(t.reshape(-1, kbp)[:m, :kb])
         else:  # no sums: the signed formats' formula reads none
             s = np.zeros((m, kb), dtype=np.float16)

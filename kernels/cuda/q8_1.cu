@@ -249,12 +249,13 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
 
 // Q2_K's MMQ activations, llama.cpp's D2S6 layout (quantize_mmq_q8_1<D2S6>): one scale per 64 values (amax over
 // 16 lanes), rounded to half; a half sum per 16 values (four a lane in order, then a butterfly over 4 lanes)
-// for the first 96 values of every 128.  Written into the mmq layout with two sums a block (sa [M/64][SB][4
-// blocks][2 halves][64 rows], times 2^-38): halves 6 and 7 of a stage get d * Σq instead (exact: an 11-bit d
-// times an 11-bit sum), the term llama.cpp's vec_dot_q2_K_q8_1_mma forms from their integer sums there.
+// for the first 96 values of every 128.  Written into the mmq layout (fast.cu MmqSmem, H = 2: a piece of 1536
+// bytes per 64 rows and stage): the sums of halves 0-5 as halves [64 rows][8] (6 and 7: zeros), the A operand
+// of mmq's fp16 MMA; then halves 6 and 7 as float [2][64] times 2^-38, d * Σq (exact: an 11-bit d times an
+// 11-bit sum), the term llama.cpp's vec_dot_q2_K_q8_1_mma forms from their integer sums there.
 // A warp a (row, stage of 128 values), 4 values a lane; K is a multiple of 256, so stages are whole.
 extern "C" __global__ void quantize_q8_1_mmq_d2s6(const float* __restrict__ x, i8* __restrict__ qs,
-                                                  float2* __restrict__ dc, float* __restrict__ sa, int M, int K,
+                                                  float2* __restrict__ dc, char* __restrict__ sa, int M, int K,
                                                   int SB) {
     const int lane = threadIdx.x % WARP;
     const unsigned warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP, stages = K / 128;
@@ -280,7 +281,9 @@ extern "C" __global__ void quantize_q8_1_mmq_d2s6(const float* __restrict__ x, i
     const int blk = lane >> 3, half = (lane >> 2) & 1;  // block of the stage, half of the block
     if ((lane & 7) == 0) dc[(piece << 8) + (blk << 6) + mr] = make_float2(d * 0x1p111f, d * -0x1p-19f);
     if ((lane & 3) == 0) {
-        const float s = lane < 24 ? __half2float(__float2half(sum)) : d * float(qsum);
-        sa[(piece << 9) + (((blk << 1) + half) << 6) + mr] = s * 0x1p-38f;
+        const int hb = (blk << 1) + half;  // half block 0-7 of the stage
+        char* at = sa + piece * 1536;
+        reinterpret_cast<__half*>(at)[mr * 8 + hb] = __float2half(hb < 6 ? sum : 0.f);
+        if (hb >= 6) reinterpret_cast<float*>(at + 1024)[(hb - 6) * 64 + mr] = d * float(qsum) * 0x1p-38f;
     }
 }
