@@ -225,13 +225,13 @@ struct MmqBlock {
     // The accumulators hold out * 2^-38.  A pair goes out as one 8-byte store (or vector atomic) when N is
     // even (then m * N + n is even): against two 4-byte stores, each of which half-fills the warp's 32-byte
     // sectors, that took GEMM alone at K=4096 M=512 from 57.2 to 51.4 us (Q4_0) and 50.9 to 48.7 (Q8_0).
-    // UNSCALED: u0, u1 are terms that are not scaled (MIN's m_w s_a sums), added after the scaling.
-    template <bool UNSCALED = false>
+    // u0, u1: terms that are not scaled (MIN's m_w s_a sums), added after the scaling.  (An FFMA with 0 where there
+    // are none: the same outputs as a multiply, and measured 1.5-2% faster than it for mmq and mmq16 on the H100,
+    // from the schedule NVRTC makes around it.)
     __device__ __forceinline__ void store(float* Y, int M, int N, int atomic, int m, int n, float a0, float a1,
                                           float u0 = 0.f, float u1 = 0.f) const {
         if (m >= M) return;
-        const float v0 = UNSCALED ? fmaf(WG_UNSCALE, a0, u0) : WG_UNSCALE * a0;
-        const float v1 = UNSCALED ? fmaf(WG_UNSCALE, a1, u1) : WG_UNSCALE * a1;
+        const float v0 = fmaf(WG_UNSCALE, a0, u0), v1 = fmaf(WG_UNSCALE, a1, u1);
         float* y = Y + (size_t)m * N + n;
         if (n + 1 < N && !(N & 1)) {
             if (!atomic) { *reinterpret_cast<float2*>(y) = make_float2(v0, v1); return; }
@@ -297,33 +297,42 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         const char* st = smem + (s % MMQ_STAGES) * S::STAGE;
         const float2* sDC = reinterpret_cast<const float2*>(st + S::DC) + wm * 32 + g;
         const float* sWD = reinterpret_cast<const float*>(st + S::WD) + wn * WCOLS + 2 * t;
-        if constexpr (MIN) {  // fragments of s_a (A, rows m) and m_w (B, columns n) as m16n8k8's: lane (g, t)
-            // holds k = 2t, 2t + 1: for H = 1 blocks 4-7 when t >= 2, zeros; for H = 2 halves 6 and 7 when t = 3,
-            // whose s_a are zeros here (their terms: the FFMAs below)
-            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 2 * H;
-            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 2 * H;
-            const int kw = H == 1 ? (t & 1) : t;
+        if constexpr (KEEP_MIN) {  // fragments of s_a [64][4] (A, rows m) and m_w [128][4] (B, columns n) as
+            // m16n8k8's: lane (g, t) holds k = 2t, 2t + 1, which for t >= 2 are the padding blocks 4-7 (zeros)
+            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 2 + (t & 1);
+            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 2 + (t & 1);
             unsigned fa[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) fa[mi][h] = H == 2 || t < 2 ? hSA[(mi * 16 + 8 * h) * 2 * H + kw] : 0u;
+                for (int h = 0; h < 2; ++h) fa[mi][h] = t < 2 ? hSA[(mi * 16 + 8 * h) * 2] : 0u;
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
-                const unsigned fb = H == 2 || t < 2 ? hWM[ni * 16 * H + kw] : 0u;
+                const unsigned fb = t < 2 ? hWM[ni * 16] : 0u;
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) mma_f16_k8(acc_min[mi][ni], fa[mi], fb);
+            }
+        } else if constexpr (MIN) {  // H = 2: s_a [64][8] and m_w [128][8], k = halves 0-7, whose 6 and 7 (t = 3)
+            // have zero s_a here: their terms are the FFMAs below; the stage's part goes into the scaled accumulators
+            const unsigned* hSA = reinterpret_cast<const unsigned*>(st + S::SA) + (wm * 32 + g) * 4 + t;
+            const unsigned* hWM = reinterpret_cast<const unsigned*>(st + S::WM) + (wn * WCOLS + g) * 4 + t;
+            unsigned fa[2][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) fa[mi][h] = hSA[(mi * 16 + 8 * h) * 4];
+#pragma unroll
+            for (int ni = 0; ni < NI; ++ni) {
+                const unsigned fb = hWM[ni * 32];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
-                    if constexpr (KEEP_MIN) {
-                        mma_f16_k8(acc_min[mi][ni], fa[mi], fb);
-                    } else {
-                        float part[4] = {};
-                        mma_f16_k8(part, fa[mi], fb);
+                    float part[4] = {};
+                    mma_f16_k8(part, fa[mi], fb);
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], 0x1p-38f, acc[mi][ni][e]);
-                    }
+                    for (int e = 0; e < 4; ++e) acc[mi][ni][e] = fmaf(part[e], 0x1p-38f, acc[mi][ni][e]);
                 }
             }
-            if constexpr (H == 2) {  // halves 6 and 7: s 2^-38 and m_w in float, into the scaled accumulators
+            {  // halves 6 and 7: s 2^-38 and m_w in float, into the scaled accumulators
                 const float* s67 = reinterpret_cast<const float*>(st + S::SA + MMQ_BM * 16) + wm * 32 + g;
                 const float* m67 = reinterpret_cast<const float*>(st + S::WM + MMQ_BN * 16) + wn * WCOLS + 2 * t;
 #pragma unroll
@@ -386,10 +395,9 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                blk.template store<KEEP_MIN>(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h,
-                                             blk.n0 + wn * WCOLS + ni * 8 + 2 * t, acc[mi][ni][2 * h],
-                                             acc[mi][ni][2 * h + 1], acc_min[KEEP_MIN ? mi : 0][KEEP_MIN ? ni : 0][2 * h],
-                                             acc_min[KEEP_MIN ? mi : 0][KEEP_MIN ? ni : 0][2 * h + 1]);
+                blk.store(Y, M, N, atomic, blk.m0 + wm * 32 + mi * 16 + g + 8 * h, blk.n0 + wn * WCOLS + ni * 8 + 2 * t,
+                          acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1], KEEP_MIN ? acc_min[mi][ni][2 * h] : 0.f,
+                          KEEP_MIN ? acc_min[mi][ni][2 * h + 1] : 0.f);
 }
 
 // The entries, each also as name_m32 (HALF, for M <= 32; launch: Mmq).  Formats with a minimum: unsigned weights,
