@@ -360,7 +360,9 @@ register(Mmq(
                 "repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout "
                 "the kernel reads, sumi*d_a*d_w in two fp32 FMAs per block, 2-stage pipeline (Hopper bulk copies, "
                 "cp.async otherwise), split-K when the grid would leave SMs idle; formats with a minimum (Q4_1, "
-                "Q5_1) keep unsigned weights and add m_w*s_a per block in a third FMA"))
+                "Q5_1, Q2_K, Q4_K, Q5_K) keep unsigned weights and add m_w*s_a (both halves, as in llama.cpp) as an "
+                "fp16 MMA a stage; a scale per 16 values (Q2_K, Q6_K) as two k16 MMAs a block, Q3_K's folded into "
+                "its int8 values"))
 register(Mmq(
     name="mmq_wgmma", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_wgmma", layout=L.MMQ, min_cc=90,
     max_cc=90, weight_types=MMQ_SIGNED_TYPES, auto_rank=6,
