@@ -31,7 +31,8 @@ MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 
 # MmqSmem<MIN, 2> (mmq16, mmq16_min): two weight scales a block, and two minima and sums
 MMQ16_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 8)
 MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + (MMQ_BM + MMQ_BN) * mmq_min_bytes(2) + 8)
-MMQ_BLOCKS_PER_SM = 2  # the variants' __launch_bounds__ minimum (mmq itself: 3), and their shared memory fits an SM that often
+# the variants' __launch_bounds__ minimum (mmq itself takes 3), and how often their shared memory fits an SM
+MMQ_BLOCKS_PER_SM = 2
 
 
 def mmq_tiles(rows: int, k: int, tile: int) -> tuple[int, int]:
