@@ -184,6 +184,20 @@ def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Genera
         check_kernel(backend, KERNELS["mmq"], type_name, weights_bank[(type_name, n, k)], rng.standard_normal((m, k)))
 
 
+@pytest.mark.parametrize(("kernel", "type_name"), [("mmf_f16", "F16"), ("mmf_bf16", "BF16")])
+def test_mmf_tails(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:
+    """The float matrices' tensor-core kernel at 2-16 rows: one and two n8 tiles of activation rows, N past the
+    last 16-row tile, K past the last 32-value chunk (a multiple of 8) and K of fewer chunks than the block has
+    warps."""
+    spec = KERNELS[kernel]
+    for m, n, k in ((2, 17, 40), (8, 33, 200), (9, 31, 4104), (16, 257, 1000), (13, 64, 8), (5, 4096, 14336)):
+        if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+            pytest.skip(f"{kernel} does not run here")
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        raw = quants.quantize(w, GGMLQuantizationType[type_name])
+        check_kernel(backend, spec, type_name, raw, rng.standard_normal((m, k)), key=f"mmf {kernel} M={m} N={n} K={k}")
+
+
 @pytest.mark.parametrize("kernel", ["mmq", "mmq_wgmma"])
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_mmq_even_n_stores_pairs(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:

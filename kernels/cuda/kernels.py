@@ -120,6 +120,21 @@ class Cublas(CudaKernel):
 
 
 MMVF_WARP_THREADS = 128  # 4 rows a block: 50 us against 55 with 8 at N = 4096, K = 14336 (H100)
+MMF_MAX_M = 16  # two n8 tiles of activation rows
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MulMatF(CudaKernel):
+    """A float matrix (`element`: f16 or bf16) times 2-16 rows on tensor cores (w16.cu mmf_skinny): ggml's
+    mul_mat_f formula, 16-bit products summed in fp32, the weights streamed once."""
+
+    element: str
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        if k % 8 or m > MMF_MAX_M:  # shape_reason (k_multiple, max_m) keeps both from here
+            raise ValueError(f"{self.name} needs K % 8 == 0 and M <= {MMF_MAX_M} (M = {m}, K = {k})")
+        mods.function(self.source, f"mmf_{self.element}_m{1 if m <= 8 else 2}")(
+            (cdiv(n, 16),), (256,), (w["w"], acts, y, I32(m), I32(n), I32(k)))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -353,6 +368,18 @@ register(MulMatVecF(
     weight_types=("BF16",), auto_rank=0,
     description="a BF16 matrix times one fp32 row as llama.cpp's mul_mat_vec_f sums it, bit for bit "
                 "(reference.ref_bf16_mmvf): fp32 FMAs per thread of its block, float butterflies; a warp a row"))
+register(MulMatF(  # not ranked: measured (docs/reports/kernels-at-the-limit.md, seventh session)
+    name="mmf_f16", element="f16", activation_format="f16", source="w16.cu", layout=L.F16, min_cc=80,
+    max_m=MMF_MAX_M, k_multiple=8, weight_types=("F16",),
+    description="an F16 matrix times 2-16 rows on tensor cores (mma.sync m16n8k16, fp32 accumulators): llama.cpp's "
+                "mul_mat_f formula, taken where its mul_mat_f takes the shape; each lane's 16-byte loads of two weight "
+                "rows and one activation row are the operands of two MMAs, the weights streamed once"))
+register(MulMatF(
+    name="mmf_bf16", element="bf16", activation_format="bf16", source="w16.cu", layout=L.BF16, min_cc=80,
+    max_m=MMF_MAX_M, k_multiple=8, weight_types=("BF16",),
+    description="a BF16 matrix times 2-16 rows on tensor cores (mma.sync m16n8k16, fp32 accumulators): the formula "
+                "of llama.cpp's BF16 products above one row (activations rounded to bf16, products summed in fp32); "
+                "each lane's 16-byte loads of two weight rows and one activation row are the operands of two MMAs"))
 register(Mmq(
     name="mmq", activation_format="q8_1_mmq", source="fast.cu", layout=L.MMQ, min_cc=80, weight_types=QUANT_TYPES,
     auto_rank=5,
