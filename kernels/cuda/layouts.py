@@ -102,7 +102,8 @@ class SplitPlanes(WeightLayout):
 
 class MmqTiles(WeightLayout):
     """Signed (or, with a minimum, unsigned) int8 rows in the core-matrix order fast.cu's mmq copies, and
-    block-major fp32 scales (and minima): llama.cpp's MMQ tiles, made on the host once."""
+    block-major fp32 scales, and minima as halves in row-major pieces (fast.cu MmqSmem; Q2_K's last two halves of a
+    stage also as floats): llama.cpp's MMQ tiles, made on the host once."""
 
     def nbytes(self, type_name: str, n: int, k: int) -> int:
         fmt = _format(type_name)
