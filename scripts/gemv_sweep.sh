@@ -4,8 +4,9 @@
 # beside it (an older commit), all in one machine session, so their times compare.  Carry .whl.
 #   usage: scripts/gemv_sweep.sh [NAME=TREE | NAME=FILE:SED[|FILE:SED...]] ...
 #   e.g.   scripts/gemv_sweep.sh old=abtree st2='kernels/cuda/fast.cu:s/SKINNY_STAGES 3/SKINNY_STAGES 2/'
-# Env: TYPES, KS, MS, KERNELS (bench's lists), TESTS (pytest arguments; empty: none).  Writes $OUT/sweep.json (rows
-# of every run: variant, type, K, M, kernel, total_same_us, gbps), $OUT/sweep.txt (a table) and the logs.
+# Env: TYPES, KS, MS, KERNELS (bench's lists), TESTS (pytest arguments; empty: none), METRIC (the table's column:
+# total_same_us, the default, or total_us with weights from HBM).  Writes $OUT/sweep.json (rows of every run:
+# variant, type, K, M, kernel, total_same_us, total_us, gbps), $OUT/sweep.txt (a table) and the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,10 +38,10 @@ for spec in "$@"; do
   fi
   names+=("$name"); bench "$name" "$tree"
 done
-python3 - "$OUT" "${names[@]}" <<'EOF'
-import json, sys
+METRIC=${METRIC:-total_same_us} python3 - "$OUT" "${names[@]}" <<'EOF'
+import json, os, sys
 from collections import defaultdict
-out, names = sys.argv[1], sys.argv[2:]
+out, names, metric = sys.argv[1], sys.argv[2:], os.environ["METRIC"]
 rows, table = [], defaultdict(dict)
 for name in names:
     try:
@@ -49,12 +50,13 @@ for name in names:
         continue
     for r in d["rows"]:
         rows.append({"variant": name, "type": r["type"], "K": r["K"], "M": r["M"], "kernel": r["kernel"],
-                     "total_same_us": r["total_same_us"], "gbps": r["gbps"], "nmse": r["nmse"],
+                     "total_same_us": r["total_same_us"], "total_us": r["total_us"], "gbps": r["gbps"], "nmse": r["nmse"],
                      "device": d["device"], "date": d["date"]})
-        table[(r["type"], r["K"], r["M"], r["kernel"])][name] = r["total_same_us"]
+        table[(r["type"], r["K"], r["M"], r["kernel"])][name] = r[metric]
 json.dump(rows, open(f"{out}/sweep.json", "w"), indent=0)
 with open(f"{out}/sweep.txt", "w") as f:
-    print("type K M kernel " + " ".join(names) + "   (µs, quantize + GEMM on the same buffers)", file=f)
+    what = "weights from HBM" if metric == "total_us" else "on the same buffers"
+    print("type K M kernel " + " ".join(names) + f"   (µs, quantize + GEMM {what})", file=f)
     for (t, k, m, kern), v in sorted(table.items()):
         print(t, k, m, kern, " ".join(f"{v[n]:.1f}" if n in v else "-" for n in names), file=f)
 print(open(f"{out}/sweep.txt").read())

@@ -1,44 +1,52 @@
-"""Run each fast kernel once on the shapes that matter, for `ncu` to profile:
+"""Run kernels a few times each on the demo's benchmark tensors, for `ncu` to profile (weights from HBM: ncu flushes
+the caches before each replay by default):
 
-    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-        -k regex:'mmq|gemv|quantize' python3 scripts/profile_kernels.py
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:'gemv1_' \
+        python3 scripts/profile_kernels.py gemv:Q2_K:14336:1 gemv:Q4_0:14336:1
+
+Each argument is KERNEL:TYPE:K:M (a registered kernel, a type with a benchmark tensor at that K, in models/demo.py
+BENCH_TENSORS); without arguments, mmq and gemv on Q4_0.  Each shape runs LAUNCHES (3) times.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import cupy
 import numpy as np
 from gguf import GGUFReader
 
 from app.settings import Settings
-from kernels.cuda.modules import Modules
+from kernels.cuda.backend import CudaBackend
 from kernels.registry import KERNELS
-from models.demo import ensure_demo
+from models.demo import BENCH_TENSORS, ensure_demo
 
-SHAPES = [("mmq", "blk.0.attn_q.weight", 512), ("mmq", "blk.1.ffn_down.weight", 128),
-          ("gemv", "blk.0.ffn_down.weight", 1), ("gemv", "blk.0.ffn_down.weight", 8)]
+DEFAULT = ["mmq:Q4_0:4096:512", "mmq:Q4_0:14336:128", "gemv:Q4_0:14336:1", "gemv:Q4_0:14336:8"]
 
 
-def main() -> None:
-    demo, _ = ensure_demo(Settings.from_env().models_dir)
+def main(shapes: list[str]) -> None:
+    settings = Settings.from_env(backend="cuda")
+    demo, _ = ensure_demo(settings.models_dir)
     tensors = {t.name: t for t in GGUFReader(demo).tensors}
-    device = cupy.cuda.Device(0)
-    mods = Modules(int(device.compute_capability), int(device.attributes["MultiProcessorCount"]))
-    for kernel, name, m in SHAPES:
-        t = tensors[name]
-        type_name = t.tensor_type.name
-        raw = np.asarray(t.data)
-        n, k = raw.shape[0], int(t.shape[0])
+    mods = CudaBackend(settings).modules
+    launches = int(os.environ.get("LAUNCHES", "3"))
+    for shape in shapes or DEFAULT:
+        kernel, type_name, k_text, m_text = shape.split(":")
+        k, m = int(k_text), int(m_text)
+        raw = np.asarray(tensors[BENCH_TENSORS[(type_name, k)]].data)
+        n = raw.shape[0]
         spec = KERNELS[kernel]
         w = spec.weights.make(mods, type_name, raw, n, k)
         x = cupy.asarray(np.random.default_rng().standard_normal((m, k)).astype(np.float32))
         layout = spec.activations_for(type_name)
         acts = layout.fill(mods, x, layout.buffers(m, k))
         y = cupy.empty((m, n), dtype=cupy.float32)
-        spec.launch(mods, type_name, w, acts, y, m, n, k)
+        for _ in range(launches):
+            spec.launch(mods, type_name, w, acts, y, m, n, k)
         cupy.cuda.Device().synchronize()
-        print(kernel, name, type_name, m, n, k, "ok")
+        print(shape, "N", n, "ok", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

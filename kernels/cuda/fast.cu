@@ -1106,16 +1106,7 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
                         lo = __dp4a(w[u][q], a[q], lo);
                         hi = __dp4a(w[u][q + 4], a[q + 4], hi);
                     }
-                    float v = T::G16 ? fmaf(sc[u][0], float(lo), sc[u][1] * float(hi)) : sc[u][0] * float(lo + hi);
-                    if constexpr (T::MIN) {
-                        int ulo = 0, uhi = 0;
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            ulo = __dp4a(0x01010101, a[q], ulo);
-                            uhi = __dp4a(0x01010101, a[q + 4], uhi);
-                        }
-                        v += T::G16 ? fmaf(cf[u][0], float(ulo), cf[u][1] * float(uhi)) : cf[u][0] * float(ulo + uhi);
-                    }
+                    const float v = group_sum<T>(sc[u], cf[u], lo, hi, a);
                     acc[i] = fmaf(__low2float(ads[(size_t)i * KB + kb]), v, acc[i]);
                 }
             }
@@ -1141,6 +1132,72 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
     }
 }
 
+// M = 1 for Q2_K, Q3_K and Q5_K (groups.cuh M1_LANES, T::Lane): gemv_groups' lanes, order of sums and float operations (so its
+// products bit for bit), with a lane's sub-block j = lane % 8 fixed (K is a multiple of 256), its bit masks made
+// once and its planes addressed by super-block: LOOKAHEAD super-blocks' raw fields in flight, then their sums.
+template <typename T, int U, int S>
+__device__ void gemv_k1(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                        float* __restrict__ Y, int N, int K) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, part = warp % S;
+    const int n = blockIdx.x * (blockDim.x / WARP / S) + warp / S;
+    __shared__ float parts[S > 1 ? 8 : 1];
+    let_dependents_launch();
+    if constexpr (S == 1) {
+        if (n >= N) return;
+    }
+    const int SB = S == 1 || n < N ? K / 256 : 0;  // (S > 1) rows past N compute nothing but meet the barrier
+    constexpr int STEP = 4 * S;                    // super-blocks from one of a lane's sub-blocks to its next
+    const typename T::Lane L(lane % 8);
+    int sb = 4 * part + lane / 8;        // the lane's super-block in the row
+    unsigned s = unsigned(n) * SB + sb;  // and in the planes (a tensor has fewer than 2^32 super-blocks)
+    const int4* act = reinterpret_cast<const int4*>(aq) + 2 * (8 * sb + lane % 8);  // block 8 sb + j: 2 int4
+    const __half2* ds = ads + 8 * sb + lane % 8;
+    float acc = 0.f;
+    bool waited = false;
+    for (; sb < SB; sb += STEP * U) {
+        typename T::Raw x[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (sb + STEP * u < SB) T::load(P, s, STEP * u, L, x[u]);
+        if (!waited) {  // the first weights are on their way; now the quantized activations (pdl.py)
+            wait_for_inputs();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (sb + STEP * u >= SB) break;
+            const int4 a0 = __ldg(act + 16 * STEP * u), a1 = __ldg(act + 16 * STEP * u + 1);
+            const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            acc = fmaf(__low2float(ds[8 * STEP * u]), T::dot(x[u], a, L), acc);
+        }
+        s += STEP * U;
+        act += 16 * STEP * U;
+        ds += 8 * STEP * U;
+    }
+    const float sum = warp_sum(acc);
+    if constexpr (S == 1) {
+        if (lane == 0 && SB) Y[n] = sum;
+    } else {
+        if (lane == 0) parts[warp] = sum;
+        __syncthreads();  // the row's S parts of K, added in part order
+        if (part == 0 && lane == 0 && SB) {
+            float all = parts[warp];
+#pragma unroll
+            for (int p = 1; p < S; ++p) all += parts[warp + p];
+            Y[n] = all;
+        }
+    }
+}
+
+// M = 1: gemv_k1 for Q2_K, Q3_K and Q5_K, gemv_groups for the others (each with the format's LOOKAHEAD)
+template <typename T, int S>
+__device__ void gemv1_grouped(const GPlanes P, const i8* aq, const __half2* ads, float* Y, int N, int K) {
+    if constexpr (UsesK1<T>::value)
+        gemv_k1<T, T::LOOKAHEAD, S>(P, aq, ads, Y, N, K);
+    else
+        gemv_groups<T, 1, T::LOOKAHEAD, S>(P, aq, ads, Y, 1, N, K);
+}
+
 // gemv1_<type>_s<S>: M = 1 with a weight row's K split over S warps (launch.py GROUPS_SPLIT picks S per format:
 // one warp a row gives 4096 rows about 31 warps an SM, too few loads in flight for some decoders).  4096 rows at
 // S = 1 are one wave while 4 blocks fit an SM (64 registers); Q3_K takes 76 unbounded, so its MIN_BLOCKS is 4 (22.0
@@ -1150,7 +1207,7 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
     extern "C" __global__ void __launch_bounds__ BOUNDS                                                         \
         gemv1_##t##_s##S(const u8* p0, const u8* p1, const u8* p2, const u8* p3, const u8* p4, const i8* aq,    \
                          const __half2* ads, float* Y, int N, int K) {                                          \
-        gemv_groups<T, 1, T::LOOKAHEAD, S>({p0, p1, p2, p3, p4}, aq, ads, Y, 1, N, K);                          \
+        gemv1_grouped<T, S>({p0, p1, p2, p3, p4}, aq, ads, Y, N, K);                                            \
     }
 #define GEMV_GROUPS(t, T)                                                                                       \
     GEMV1_GROUPS(t, T, 1, (256, T::MIN_BLOCKS)) GEMV1_GROUPS(t, T, 2, (256, 4)) GEMV1_GROUPS(t, T, 4, (256))    \

@@ -5,8 +5,9 @@
 //   w[8]   the 32 values as int8 words, value 4i + b in byte b of w[i] (they pair with Q8_1 words in order);
 //   sc[2]  MMVQ's weight scale of values 0..15 and 16..31 (G16) or of all 32 (sc[0]);
 //   cf[2]  (MIN) the factor of d_a * Σq_a over the same values: -dmin * m.
-// LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes before computing them; MIN_BLOCKS: that kernel's
-// __launch_bounds__ blocks an SM, 0 for none (fast.cu gemv1_<type>_s1; both measured on the H100).
+// LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes (or, M1_LANES, loads) before computing them;
+// MIN_BLOCKS: that kernel's __launch_bounds__ blocks an SM, 0 for none (fast.cu gemv1_<type>_s1; both measured on
+// the H100).  M1_LANES: that kernel is gemv_k1 (Lane, load and dot below), not gemv_groups over decode().
 // All are exact products of the block's fields, as llama.cpp's vec_dot_*_q8_1 forms them.
 #pragma once
 #include "common.cuh"
@@ -68,12 +69,65 @@ struct CodeBook {
 
 // Q4_K / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4) from the 12 scale bytes q
 // without a branch: a warp's lanes hold sub-blocks 0-7, so both sides of `j < 4` ran, each with its own loads
-template <typename Ld = LdGlobal>
-__device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
-    const int a = Ld::byte(q + (j & 3)), b = Ld::byte(q + j + 4), c = Ld::byte(q + j);  // c: q[j] (j >= 4; a when j < 4)
+// (a, b, c: bytes j & 3, j + 4 and j of q; c is only read for j >= 4, where it is q[j], and a when j < 4)
+__device__ __forceinline__ void scale_min_k4_of(int a, int b, int c, int j, int& sc, int& m) {
     sc = j < 4 ? a & 63 : (b & 0xF) | ((a >> 6) << 4);
     m = j < 4 ? b & 63 : (b >> 4) | ((c >> 6) << 4);
 }
+template <typename Ld = LdGlobal>
+__device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m) {
+    scale_min_k4_of(Ld::byte(q + (j & 3)), Ld::byte(q + j + 4), Ld::byte(q + j), j, sc, m);
+}
+
+// ---- gemv's M = 1 kernel for Q2_K, Q3_K and Q5_K (fast.cu gemv_k1) ----
+// A lane there always takes sub-block j = lane % 8 of its super-blocks, so what picks sub-block j's bits out of the
+// packed bytes is fixed per lane (T::Lane, made once).  The values are not shifted down to bytes of their own: each
+// packed word is masked in place, and the dp4a of those unsigned bytes with the signed activations is shifted down
+// once (every masked byte is a multiple of 2^shift, so the shift is exact).  T::load reads super-block s + i's
+// fields into T::Raw (LOOKAHEAD of them in flight); T::dot gives MMVQ's (sc_lo sumi_lo + sc_hi sumi_hi + min terms)
+// from them: the integer sums and float operations of decode() and gemv_groups, so the same products bit for bit,
+// in fewer instructions (docs/reports/kernels-at-the-limit.md, eighth session).  Q4_K and Q6_K measured slower this
+// way at K = 4096 (their raw fields take more registers than decode()'s words), so they keep gemv_groups.
+// Super-block s + i of a plane of B bytes a super-block: one wide multiply-add a plane, i an immediate offset.
+template <int B>
+__device__ __forceinline__ const u8* at(const u8* plane, unsigned s, int i) { return plane + size_t(s) * B + B * i; }
+__device__ __forceinline__ unsigned ldg_u16(const u8* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+__device__ __forceinline__ int dp4a_us(unsigned w, int a, int c) {  // unsigned bytes of w times signed bytes of a
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(w), "r"(a), "r"(c));
+    return d;
+}
+// Σ over 4 words of the values that `mask` (complemented words first where NOT) keeps, times 2^shift
+template <bool NOT = false>
+__device__ __forceinline__ int masked_dot4(const int* w, const int* a, unsigned mask) {
+    int s = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) s = dp4a_us((NOT ? ~unsigned(w[q]) : unsigned(w[q])) & mask, a[q], s);
+    return s;
+}
+__device__ __forceinline__ float half_bits(unsigned h) { return __half2float(__ushort_as_half((unsigned short)h)); }
+
+// MMVQ's sum of one sub-block before d_a: sc[h] sumi of half h (G16) or sc[0] of all 32, and (MIN) the min factors
+// cf times Σq_a of the same values of a (the 8 activation words); gemv_groups and gemv_k1 both end in it.  (Its
+// instruction order is gemv_groups' before it was shared: Q4_K ran 9% slower at K = 14336 with Σq_a taken first.)
+template <typename T>
+__device__ __forceinline__ float group_sum(const float* sc, const float* cf, int lo, int hi, const int* a) {
+    float v = T::G16 ? fmaf(sc[0], float(lo), sc[1] * float(hi)) : sc[0] * float(lo + hi);
+    if constexpr (T::MIN) {
+        int ulo = 0, uhi = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            ulo = __dp4a(0x01010101, a[q], ulo);
+            uhi = __dp4a(0x01010101, a[q + 4], uhi);
+        }
+        v += T::G16 ? fmaf(cf[0], float(ulo), cf[1] * float(uhi)) : cf[0] * float(ulo + uhi);
+    }
+    return v;
+}
+
+// Whether gemv's M = 1 kernel for a format is gemv_k1 (its M1_LANES, with T::Lane, load and dot) or gemv_groups
+template <typename T, typename = void> struct UsesK1 { static constexpr bool value = false; };
+template <typename T> struct UsesK1<T, decltype(void(T::M1_LANES))> { static constexpr bool value = T::M1_LANES; };
 
 // The K-quants' values come from two of their planes: QS_BYTES a super-block of low bits in p0 (the 32 bytes of
 // sub-block j at qs_at(j)) and HI_BYTES of high bits in plane HI (at hi_at(j); 0: none); word(r, h, j) makes
@@ -97,6 +151,7 @@ template <bool FIFTH>
 struct QK_45 {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = FIFTH ? 1 : 4;
+    static constexpr bool M1_LANES = FIFTH;  // gemv_k1 for Q5_K; Q4_K was 9% slower there at K = 4096
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = false, MIN = true;
     static constexpr int QS_BYTES = 128, HI_BYTES = FIFTH ? 32 : 0;
@@ -118,6 +173,35 @@ struct QK_45 {
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         decode_k<QK_45>(P, s, j, w, sc, cf);
     }
+    // gemv_k1: sub-block j is nibble j & 1 of run j / 2 (and bit j of qh)
+    struct Lane {
+        unsigned m, mh;
+        int j, sh, qs;
+        __device__ explicit Lane(int j_) : m(0x0F0F0F0Fu << 4 * (j_ & 1)), mh(0x01010101u << j_), j(j_), sh(4 * (j_ & 1)), qs(32 * (j_ >> 1)) {}
+    };
+    struct Raw {
+        int r[8], h[FIFTH ? 8 : 1];
+        int a, b, c;
+        unsigned d, dmin;
+    };
+    __device__ static void load(const GPlanes& P, unsigned s, int i, const Lane& L, Raw& x) {
+        load32(at<128>(P.p0, s, i) + L.qs, x.r);
+        if constexpr (FIFTH) load32(at<32>(P.p4, s, i), x.h);
+        const u8* q = at<12>(P.p1, s, i);
+        x.a = __ldg(q + (L.j & 3));
+        x.b = __ldg(q + L.j + 4);
+        x.c = __ldg(q + L.j);
+        x.d = ldg_u16(at<2>(P.p2, s, i));
+        x.dmin = ldg_u16(at<2>(P.p3, s, i));
+    }
+    __device__ static float dot(const Raw& x, const int* a, const Lane& L) {
+        int sumi = (masked_dot4(x.r, a, L.m) + masked_dot4(x.r + 4, a + 4, L.m)) >> L.sh;
+        if constexpr (FIFTH) sumi += ((masked_dot4(x.h, a, L.mh) + masked_dot4(x.h + 4, a + 4, L.mh)) >> L.j) << 4;
+        int scv, mv;
+        scale_min_k4_of(x.a, x.b, x.c, L.j, scv, mv);
+        const float sc[1] = {half_bits(x.d) * float(scv)}, cf[1] = {-(half_bits(x.dmin) * float(mv))};
+        return group_sum<QK_45>(sc, cf, sumi, 0, a);
+    }
 };
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
@@ -126,6 +210,7 @@ using Q5_K = QK_45<true>;
 struct Q2_K {
     static constexpr int SUBS = 8;
     static constexpr int LOOKAHEAD = 1;
+    static constexpr bool M1_LANES = true;
     static constexpr int MIN_BLOCKS = 0;
     static constexpr bool G16 = true, MIN = true;
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
@@ -142,12 +227,40 @@ struct Q2_K {
             cf[h] = -(dmin * float(b >> 4));
         }
     }
+    // gemv_k1: sub-block j is bit pair j & 3 of run j / 4; its two scale bytes at 2j
+    struct Lane {
+        unsigned m;
+        int sh, qs, sc;
+        __device__ explicit Lane(int j) : m(0x03030303u << 2 * (j & 3)), sh(2 * (j & 3)), qs(32 * (j >> 2)), sc(2 * j) {}
+    };
+    struct Raw {
+        int r[8];
+        unsigned s, d, dmin;
+    };
+    __device__ static void load(const GPlanes& P, unsigned s, int i, const Lane& L, Raw& x) {
+        load32(at<64>(P.p0, s, i) + L.qs, x.r);
+        x.s = ldg_u16(at<16>(P.p1, s, i) + L.sc);
+        x.d = ldg_u16(at<2>(P.p2, s, i));
+        x.dmin = ldg_u16(at<2>(P.p3, s, i));
+    }
+    __device__ static float dot(const Raw& x, const int* a, const Lane& L) {
+        const float d = half_bits(x.d), dmin = half_bits(x.dmin);
+        float sc[2], cf[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int b = (x.s >> (8 * h)) & 0xFF;
+            sc[h] = d * float(b & 0xF);
+            cf[h] = -(dmin * float(b >> 4));
+        }
+        return group_sum<Q2_K>(sc, cf, masked_dot4(x.r, a, L.m) >> L.sh, masked_dot4(x.r + 4, a + 4, L.m) >> L.sh, a);
+    }
 };
 
 // Planes: p0 qs [64] (low 2 bits), p1 hmask [32] (bit 4n + jj of byte l), p2 scales [12] (6-bit), p3 d
 struct Q3_K {
     static constexpr int SUBS = 8;
-    static constexpr int LOOKAHEAD = 4;
+    static constexpr int LOOKAHEAD = 1;
+    static constexpr bool M1_LANES = true;
     static constexpr int MIN_BLOCKS = 4;
     static constexpr bool G16 = true, MIN = false;
     static constexpr int QS_BYTES = 64, HI_BYTES = 32;
@@ -171,6 +284,38 @@ struct Q3_K {
     }
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         decode_k<Q3_K>(P, s, j, w, sc, cf);
+    }
+    // gemv_k1: sub-block j is bit pair j & 3 of run j / 4 plus 4 (bit j of hmask) - 4, i.e. the pair minus 4 where
+    // that bit is clear.  Its halves' scales 2j and 2j + 1: low nibbles in bytes 2j & 7 and the next (shifted by
+    // 4 (j / 4)), high pairs in bytes 8 + (2j & 3) and the next (shifted by 2 (j / 2)): two 16-bit loads.
+    struct Lane {
+        unsigned m, mh;
+        int sh, j, qs, lo4, hi2, snib, spair;
+        __device__ explicit Lane(int j_)
+            : m(0x03030303u << 2 * (j_ & 3)), mh(0x01010101u << j_), sh(2 * (j_ & 3)), j(j_), qs(32 * (j_ >> 2)),
+              lo4((2 * j_) & 7), hi2(8 + ((2 * j_) & 3)), snib(4 * (j_ >> 2)), spair(2 * (j_ >> 1)) {}
+    };
+    struct Raw {
+        int r[8], h[8];
+        unsigned lo4, hi2, d;
+    };
+    __device__ static void load(const GPlanes& P, unsigned s, int i, const Lane& L, Raw& x) {
+        load32(at<64>(P.p0, s, i) + L.qs, x.r);
+        load32(at<32>(P.p1, s, i), x.h);
+        x.lo4 = ldg_u16(at<12>(P.p2, s, i) + L.lo4);
+        x.hi2 = ldg_u16(at<12>(P.p2, s, i) + L.hi2);
+        x.d = ldg_u16(at<2>(P.p3, s, i));
+    }
+    __device__ static float dot(const Raw& x, const int* a, const Lane& L) {
+        int sumi[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            sumi[h] = (masked_dot4(x.r + 4 * h, a + 4 * h, L.m) >> L.sh) -
+                      ((masked_dot4<true>(x.h + 4 * h, a + 4 * h, L.mh) >> L.j) << 2);
+        const unsigned v = ((x.lo4 >> L.snib) & 0x0F0Fu) | (((x.hi2 >> L.spair) & 0x0303u) << 4);
+        const float d = half_bits(x.d);
+        const float sc[2] = {d * float(int(v & 0xFF) - 32), d * float(int(v >> 8) - 32)};
+        return group_sum<Q3_K>(sc, nullptr, sumi[0], sumi[1], a);
     }
 };
 
