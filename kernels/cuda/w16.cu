@@ -198,10 +198,10 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* _
 
 // ---- float matrices at 2-16 rows on tensor cores (mmf) -------------------------------------------
 // llama.cpp's mul_mat_f formula (products of 16-bit weights and activations, exact in fp32; fp32 sums) as
-// mma.sync m16n8k16 with fp32 accumulators, the weights streamed once.  A block of 8 warps takes R x 16 weight
-// rows; warp w takes U consecutive 32-value chunks of K at a time (w U, then w U + 8 U, ...).  Per chunk a lane
-// (g, t) loads 16 bytes (8 values, k 8t..8t+7 of the chunk) of weight rows g and g + 8 of each row tile and of
-// activation row g of each n8 tile: those are the A and B registers of two MMAs once both sides take the MMAs' k in
+// mma.sync m16n8k16 with fp32 accumulators, the weights streamed once.  A block of 8 warps takes 16 weight rows
+// (two row tiles a block measured slower, sweeps 36-39); warp w takes U consecutive 32-value chunks of K at a time
+// (w U, then w U + 8 U, ...).  Per chunk a lane (g, t) loads 16 bytes (8 values, k 8t..8t+7 of the chunk) of weight
+// rows g and g + 8 and of activation row g of each n8 tile: those are the A and B registers of two MMAs once both sides take the MMAs' k in
 // the same permuted order (a lane's values 0-1 and 2-3 as k 2t, 2t+1 and 2t+8, 2t+9 of the first MMA, 4-7 likewise
 // of the second), so no shuffle and no shared memory in the loop.  A step's loads all go out before its MMAs, which
 // accumulate into a set of registers per chunk of the step (independent chains: with one set, ptxas interleaved
@@ -223,35 +223,33 @@ __device__ __forceinline__ void mma_16x8x16_f32(float* d, unsigned a0, unsigned 
 }
 
 #define MMF_WARPS 8
-template <bool BF, int R, int MT, int U>
+template <bool BF, int MT, int U>
 __device__ __forceinline__ void mmf_skinny(const int4* __restrict__ W, const int4* __restrict__ X,
                                            float* __restrict__ Y, int M, int N, int K) {
-    __shared__ float part[MMF_WARPS][R][MT][4][WARP];
+    __shared__ float part[MMF_WARPS][MT][4][WARP];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16 * R, row16 = K / 8;  // 16-byte pieces a row
+    const int n0 = blockIdx.x * 16, row16 = K / 8;  // 16-byte pieces a row
     const int chunks = (K + 31) / 32;
     const int4 zero = make_int4(0, 0, 0, 0);
     // Rows and pieces past the matrix load a clamped (valid) address and are zeroed once the step's loads are out.
-    const int4* wrow[R][2];
+    const int4* wrow[2];
     const int4* xrow[MT];
-    bool wok[R][2], xok[MT];
+    bool wok[2], xok[MT];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int n = n0 + 16 * r + g + 8 * h;
-            wok[r][h] = n < N;
-            wrow[r][h] = W + (size_t)min(n, N - 1) * row16 + t;
-        }
+    for (int h = 0; h < 2; ++h) {
+        const int n = n0 + g + 8 * h;
+        wok[h] = n < N;
+        wrow[h] = W + (size_t)min(n, N - 1) * row16 + t;
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int m = 8 * mt + g;
         xok[mt] = m < M;
         xrow[mt] = X + (size_t)min(m, M - 1) * row16 + t;
     }
-    float acc[U][R][MT][4] = {};
+    float acc[U][MT][4] = {};
     for (int c0 = warp * U; c0 < chunks; c0 += MMF_WARPS * U) {
-        int4 a[U][R][2], b[U][MT];
+        int4 a[U][2], b[U][MT];
         int at[U];
         bool kok[U];
 #pragma unroll
@@ -263,9 +261,7 @@ __device__ __forceinline__ void mmf_skinny(const int4* __restrict__ W, const int
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) a[u][r][h] = load_once<false>(wrow[r][h] + at[u]);
+            for (int h = 0; h < 2; ++h) a[u][h] = load_once<false>(wrow[h] + at[u]);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -273,10 +269,8 @@ __device__ __forceinline__ void mmf_skinny(const int4* __restrict__ W, const int
 #pragma unroll
         for (int u = 0; u < U; ++u) {
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    if (!(kok[u] && wok[r][h])) a[u][r][h] = zero;
+            for (int h = 0; h < 2; ++h)
+                if (!(kok[u] && wok[h])) a[u][h] = zero;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 if (!(kok[u] && xok[mt])) b[u][mt] = zero;
@@ -284,33 +278,29 @@ __device__ __forceinline__ void mmf_skinny(const int4* __restrict__ W, const int
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const int4 lo = a[u][r][0], hi = a[u][r][1], x = b[u][mt];
-                    mma_16x8x16_f32<BF>(acc[u][r][mt], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-                    mma_16x8x16_f32<BF>(acc[u][r][mt], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
-                }
+            for (int mt = 0; mt < MT; ++mt) {
+                const int4 lo = a[u][0], hi = a[u][1], x = b[u][mt];
+                mma_16x8x16_f32<BF>(acc[u][mt], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+                mma_16x8x16_f32<BF>(acc[u][mt], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+            }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int e = 0; e < 4; ++e) {
+            float v = acc[0][mt][e];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = acc[0][r][mt][e];
-#pragma unroll
-                for (int u = 1; u < U; ++u) v += acc[u][r][mt][e];
-                part[warp][r][mt][e][lane] = v;
-            }
+            for (int u = 1; u < U; ++u) v += acc[u][mt][e];
+            part[warp][mt][e][lane] = v;
+        }
     __syncthreads();
-    for (int i = threadIdx.x; i < R * MT * 4 * WARP; i += blockDim.x) {
-        const int l = i % WARP, e = (i / WARP) % 4, mt = (i / (4 * WARP)) % MT, r = i / (4 * WARP * MT);
-        const int n = n0 + 16 * r + (l >> 2) + 8 * (e >> 1), m = 8 * mt + 2 * (l & 3) + (e & 1);
+    for (int i = threadIdx.x; i < MT * 4 * WARP; i += blockDim.x) {
+        const int l = i % WARP, e = (i / WARP) % 4, mt = i / (4 * WARP);
+        const int n = n0 + (l >> 2) + 8 * (e >> 1), m = 8 * mt + 2 * (l & 3) + (e & 1);
         if (n >= N || m >= M) continue;
-        float s = part[0][r][mt][e][l];
+        float s = part[0][mt][e][l];
 #pragma unroll
-        for (int w = 1; w < MMF_WARPS; ++w) s += part[w][r][mt][e][l];
+        for (int w = 1; w < MMF_WARPS; ++w) s += part[w][mt][e][l];
         Y[(size_t)m * N + n] = s;
     }
 }
@@ -320,7 +310,7 @@ __device__ __forceinline__ void mmf_skinny(const int4* __restrict__ W, const int
 #define MMF(t, BF, MT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMF_WARPS * WARP, 2)                                      \
         mmf_##t##_m##MT(const int4* W, const int4* X, float* Y, int M, int N, int K) {                     \
-        mmf_skinny<BF, 1, MT, MMF_U>(W, X, Y, M, N, K);                                                    \
+        mmf_skinny<BF, MT, MMF_U>(W, X, Y, M, N, K);                                                       \
     }
 MMF(f16, false, 1)
 MMF(f16, false, 2)
