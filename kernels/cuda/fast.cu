@@ -1132,9 +1132,10 @@ __device__ void gemv_groups(const GPlanes P, const i8* __restrict__ aq, const __
     }
 }
 
-// M = 1 for Q2_K, Q3_K and Q5_K (groups.cuh M1_LANES, T::Lane): gemv_groups' lanes, order of sums and float operations (so its
-// products bit for bit), with a lane's sub-block j = lane % 8 fixed (K is a multiple of 256), its bit masks made
-// once and its planes addressed by super-block: LOOKAHEAD super-blocks' raw fields in flight, then their sums.
+// M = 1 for Q2_K, Q3_K and Q5_K (groups.cuh M1_LANES, T::Lane): gemv_groups' lanes, order of sums and float
+// operations (so its products bit for bit), with a lane's sub-block j = lane % 8 fixed (K is a multiple of 256), its
+// bit masks made once and its planes addressed by super-block: LOOKAHEAD super-blocks' raw fields in flight, then
+// their sums.
 template <typename T, int U, int S>
 __device__ void gemv_k1(const GPlanes P, const i8* __restrict__ aq, const __half2* __restrict__ ads,
                         float* __restrict__ Y, int N, int K) {
