@@ -30,9 +30,10 @@ KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 class GroupWeights:
     """A matrix of a grouped format as the two formulas read it (float64 arrays are exact values).
 
-    q int8 [N, K]: the integers of the dot products (unsigned 0..3 / 0..15 / 0..31 for the formats with a min,
-    signed otherwise); scale, coef [N, K/group]: MMVQ's per-group scale and the factor of d_a*Σq_a (None: no
-    min); mmq_scale, mmq_min: MMQ's (mmq_min multiplies the activations' group sum S)."""
+    q int8 [N, K] (int16 in mmq's two-digit tiles, `mmq_weights`): the integers of the dot products (unsigned
+    0..3 / 0..15 / 0..31 for the formats with a min, signed otherwise); scale, coef [N, K/group]: MMVQ's per-group
+    scale and the factor of d_a*Σq_a (None: no min); mmq_scale, mmq_min: MMQ's (mmq_min multiplies the
+    activations' group sum S)."""
 
     type_name: str
     q: np.ndarray
@@ -97,12 +98,16 @@ class GroupedFormat:
     skinny_runs: tuple[str, ...] = ()
     skinny_scales: tuple[str, ...] = ()
     # mmq (fast.cu, M > 8) multiplies a format with a scale per 16 values as two k16 MMAs a block, each scaled in
-    # fp32 (H = 2), unless its integer scales fold into the values: then one k32 MMA and one scale a block
-    # (`mmq_folded`), half the epilogue.
+    # fp32 (H = 2), unless its integer scales fold into int8 values: then one k32 MMA and one scale a block
+    # (`mmq_folded`), half the epilogue.  Where the folded values take two int8 digits (`mmq_digits` 2: Q6_K),
+    # mmq keeps the two k16 MMAs and mmq_d2 takes the fold: two k32 MMAs and three FFMAs an output and block
+    # instead of four, for twice the weight bytes (layouts.py MMQ_D2 splits them).
     mmq_folds = False
+    mmq_digits = 1
 
     def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(values [.., K] int8 with the integer group scales folded in, their scale per 32 values)."""
+        """(values [.., K] with the integer group scales folded in, int8 or, for two digits, int16; their scale
+        per 32 values)."""
         raise NotImplementedError
 
     @property
@@ -220,6 +225,16 @@ class Q6K(GroupedFormat):
     def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:
         b["d"] = self.halves(b, rng, scale / (128 * 32))
 
+    # q in -32..31 times sc in -128..127 is -4064..4096: two int8 digits (128 hi + lo) with scale d, the block's
+    # two halves summed exactly in the MMAs' int32 (fast.cu D = 2); llama.cpp's scales are the float d*sc (exact)
+    mmq_folds, mmq_digits = True, 2
+
+    def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        q = self.decode(b)[0].reshape(*b.shape, 16, 16).astype(np.int16)
+        folded = q * b["scales"].astype(np.int16)[..., None]
+        d = np.repeat(_f64(b["d"])[..., None], 8, axis=-1)  # per 32 values
+        return folded.reshape(*b.shape[:-1], -1), d.reshape(*b.shape[:-1], -1)
+
 
 class IQ4NL(GroupedFormat):
     name, planes = "IQ4_NL", ("qs", "d")
@@ -270,6 +285,8 @@ def _fields(plane: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 GROUPED: dict[str, GroupedFormat] = {f.name: f for f in (Q2K(), Q3K(), Q4K(), Q5K(), Q6K(), IQ4NL(), IQ4XS(), MXFP4())}
+# the formats whose folded values take two int8 digits: what fast.cu's mmq_d2 multiplies
+MMQ_D2_TYPES: tuple[str, ...] = tuple(t for t, f in GROUPED.items() if f.mmq_folds and f.mmq_digits == 2)
 for _f in GROUPED.values():
     assert sorted(_field for _p in _f.planes for _field in _fields(_p)) == sorted(_f.dtype.names), _f.name
     assert _f.dtype.itemsize == FORMATS[GGMLQuantizationType[_f.name]].block_bytes, _f.name
@@ -303,20 +320,38 @@ def decode(type_name: str, raw: np.ndarray) -> GroupWeights:
                         flat(scale), flat(coef), flat(mmq_scale), flat(mmq_min))  # type: ignore[arg-type]
 
 
-def mmq_weights(type_name: str, raw: np.ndarray) -> GroupWeights:
-    """What mmq's tiles hold: `decode`'s values and MMQ scales, or where the format folds its integer scales into
-    its values (`mmq_folds`), those with a scale per 32 values (the MMVQ fields then unused: None)."""
-    fmt = grouped(type_name)
-    if not fmt.mmq_folds:
+def mmq_weights(type_name: str, raw: np.ndarray, digits: int = 1) -> GroupWeights:
+    """What mmq's tiles of `digits` int8 digits a value hold: `decode`'s values and MMQ scales, or where the
+    format folds its integer scales into values of that many digits (`mmq_folds`, `mmq_digits`), those with a
+    scale per 32 values (the MMVQ fields then unused: None)."""
+    if not mmq_weights_fold(type_name, digits):
         return decode(type_name, raw)
+    fmt = grouped(type_name)
     q, d = fmt.mmq_folded(blocks_of(type_name, raw))
     return GroupWeights(type_name, np.ascontiguousarray(q), 32, None, None, d, None)  # type: ignore[arg-type]
 
 
-def mmq_scales_a_block(type_name: str) -> int:
-    """Weight scales a 32-value block of mmq's tiles (fast.cu's H): 2 for a scale per 16 values, unless folded."""
+def int8_digits(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Integers |q| <= 128 * 127 + 63 as two int8 digits (lo in -64..63, hi): q = 128 hi + lo."""
+    q = np.asarray(q, np.int32)
+    lo = ((q + 64) & 127) - 64
+    hi = (q - lo) >> 7
+    if hi.size and (hi.min() < -128 or hi.max() > 127):
+        raise ValueError("values past two int8 digits")
+    return lo.astype(np.int8), hi.astype(np.int8)
+
+
+def mmq_scales_a_block(type_name: str, digits: int = 1) -> int:
+    """Weight scales a 32-value block of mmq's tiles of `digits` digits (fast.cu's H): 2 for a scale per 16
+    values, unless folded."""
     fmt = FORMATS[GGMLQuantizationType[type_name]]
-    return 2 if fmt.group_values == 16 and not GROUPED[type_name].mmq_folds else 1
+    return 2 if fmt.group_values == 16 and not mmq_weights_fold(type_name, digits) else 1
+
+
+def mmq_weights_fold(type_name: str, digits: int = 1) -> bool:
+    """Whether mmq's tiles of `digits` int8 digits a value hold the format's folded values (`mmq_weights`)."""
+    fmt = GROUPED.get(type_name)
+    return fmt is not None and fmt.mmq_folds and fmt.mmq_digits <= digits
 
 
 def dequantize(w: GroupWeights) -> np.ndarray:

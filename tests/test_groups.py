@@ -88,22 +88,43 @@ def test_mmq_formula_per_group(rng: np.random.Generator, type_name: str) -> None
 
 @pytest.mark.parametrize("type_name", GROUPED_TYPES)
 def test_mmq_tiles_fold_integer_scales(rng: np.random.Generator, type_name: str) -> None:
-    """mmq's tiles (groups.mmq_weights): Q3_K's integer scales folded into int8 values with -d a block, the
-    same weights exactly; every other format as decoded, with one scale a block unless a scale per 16 stays."""
+    """mmq's tiles (groups.mmq_weights): Q3_K's integer scales folded into int8 values with -d a block; Q6_K's,
+    in mmq_d2's tiles of two digits, into int16 values with d a block; the same weights exactly.  Every other
+    format, and Q6_K in mmq's one-digit tiles, as decoded, with one scale a block unless a scale per 16 stays."""
     n, k = 5, 512
     raw = groups.random_blocks(type_name, n, k, rng)
-    w, tiles = groups.decode(type_name, raw), groups.mmq_weights(type_name, raw)
-    assert tiles.q.dtype == np.int8 and tiles.q.shape == (n, k)
-    scaled = tiles.q.reshape(n, -1, tiles.group) * tiles.mmq_scale[..., None]
-    assert np.array_equal(scaled.reshape(n, k), (w.q.reshape(n, -1, w.group) * w.mmq_scale[..., None]).reshape(n, k))
-    folds = groups.grouped(type_name).mmq_folds
-    assert folds == (type_name == "Q3_K")
-    assert groups.mmq_scales_a_block(type_name) == (2 if w.group == 16 and not folds else 1)
-    if folds:  # every (q, sc) pair, the extremes -4 * -32 = 128 and -4 * 31 included, fits
-        b = groups.blocks_of(type_name, raw)
+    w = groups.decode(type_name, raw)
+    assert groups.MMQ_D2_TYPES == ("Q6_K",)
+    for digits in (1, 2):
+        tiles = groups.mmq_weights(type_name, raw, digits)
+        folds = groups.mmq_weights_fold(type_name, digits)
+        assert folds == (type_name == "Q3_K" or (type_name == "Q6_K" and digits == 2))
+        wide = type_name == "Q6_K" and digits == 2
+        assert tiles.q.dtype == (np.int16 if wide else np.int8) and tiles.q.shape == (n, k)
+        scaled = tiles.q.reshape(n, -1, tiles.group) * tiles.mmq_scale[..., None]
+        want = w.q.reshape(n, -1, w.group) * w.mmq_scale[..., None]
+        assert np.array_equal(scaled.reshape(n, k), want.reshape(n, k))
+        assert groups.mmq_scales_a_block(type_name, digits) == (2 if w.group == 16 and not folds else 1)
+    b = groups.blocks_of(type_name, raw)
+    if type_name == "Q3_K":  # every (q, sc) pair, the extremes -4 * -32 = 128 and -4 * 31 included, fits
         b["scales"] = 0  # all scales -32
         q = groups.mmq_weights(type_name, b.view(np.uint8).reshape(n, -1)).q
         assert q.min() == -128 and q.max() == 96
+    if type_name == "Q6_K":  # the extremes -32 * -128 = 4096 and -32 * 127 as two digits, within fast.cu's biases
+        b["scales"][0, 0, 0], b["scales"][0, 0, 1], b["ql"][0], b["qh"][0] = -128, 127, 0, 0  # q = -32
+        q = groups.mmq_weights(type_name, b.view(np.uint8).reshape(n, -1), 2).q
+        assert q[0, 0] == 4096 and q[0, 16] == -4064
+        lo, hi = groups.int8_digits(q)
+        assert np.array_equal(128 * hi.astype(np.int32) + lo, q)
+        assert -64 <= lo.min() and lo.max() <= 63 and -32 <= hi.min() and hi.max() <= 32  # |Σ a hi| < 2^18 - 2^11
+
+
+def test_int8_digits() -> None:
+    q = np.arange(-128 * 128 - 64, 128 * 127 + 64)
+    lo, hi = groups.int8_digits(q)
+    assert np.array_equal(128 * hi.astype(np.int32) + lo, q) and lo.min() == -64 and lo.max() == 63
+    with pytest.raises(ValueError):
+        groups.int8_digits(np.array([128 * 127 + 64]))
 
 
 def test_d2s6_quantizer(rng: np.random.Generator) -> None:

@@ -52,6 +52,12 @@
 #define MAGIC_I 0x4B400000  // skinny's bias: 1.5 * 2^23 as float bits, F - 12582912 = sumi
 #define MAGIC_F 12582912.0f
 #define MMQ_BIAS 0x00080000  // mmq's: 2^19 (the epilogue above)
+// D = 2 (Q6_K, two int8 digits of its folded values w = 128 hi + lo; mmq_tile says how they are summed): the
+// digits' biases, each keeping its MMA's result a positive subnormal (|Σ a lo| <= 32 * 127 * 64 < 2^18,
+// |Σ a hi| <= 32 * 127 * 32 < 2^19 - 2^11), and 128 * BIAS_HI + BIAS_LO = 2^26, so that dc's own c2 = -d_a 2^-19
+// removes both
+#define MMQ_BIAS_LO 0x00040000
+#define MMQ_BIAS_HI 0x0007F800
 
 // The accumulators hold out * 2^-38 (the epilogue above); the store multiplies back.
 #define WG_UNSCALE 0x1p38f
@@ -67,12 +73,13 @@
 //   of halves 0-5 and zeros, then float [2][64]: halves 6 and 7, whose D2S6 "sum" d_a Σq_a is no half
 //   (llama.cpp forms it in float), times 2^-38; WM half [128][8], then float [2][128] for halves 6 and 7,
 //   which take an FFMA an output and stage.  Two weight scales a block and row (WD [4][2][128]).
+// D = 2: the weight piece holds the low digits' 128 x 128 bytes, then the high digits'.
 // launch.py's MMQ_SMEM mirrors BYTES.
-template <bool MIN, int H = 1>
+template <bool MIN, int H = 1, int D = 1>
 struct MmqSmem {
     static constexpr int SA_BYTES = !MIN ? 0 : H == 1 ? MMQ_BM * 8 : MMQ_BM * (16 + 8);
     static constexpr int WM_BYTES = !MIN ? 0 : H == 1 ? MMQ_BN * 8 : MMQ_BN * (16 + 8);
-    static constexpr int A = 0, B = MMQ_BM * 128, DC = B + MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
+    static constexpr int A = 0, B = MMQ_BM * 128, DC = B + D * MMQ_BN * 128, WD = DC + MMQ_BKB * MMQ_BM * 8;
     static constexpr int SA = WD + H * MMQ_BKB * MMQ_BN * 4, WM = SA + SA_BYTES, STAGE = WM + WM_BYTES;
     static constexpr int BARS = MMQ_STAGES * STAGE, BYTES = BARS + 8 * MMQ_STAGES;
 };
@@ -121,7 +128,7 @@ __device__ __forceinline__ void ldmatrix_x4(int* r, const void* smem) {
 #else
 #define MMQ_CAN_BULK false
 #endif
-template <bool BULK, bool MIN = false, int H = 1>
+template <bool BULK, bool MIN = false, int H = 1, int D = 1>
 struct MmqBlock {
     const i8 *a, *b;
     const float2* dc;
@@ -137,14 +144,14 @@ struct MmqBlock {
         n0 = blockIdx.x * MMQ_BN;
         stages = min(SB, s_begin + stages_per_split) - s_begin;
         a = aq + (pm << 13);
-        b = wq + (pn << 14);
+        b = wq + (pn << (13 + D));
         dc = dc_ + (pm << 8);
         wd = wd_ + (pn << 9) * H;
         sa = MIN ? static_cast<const char*>(sa_) + pm * S::SA_BYTES : nullptr;
         wm = MIN ? static_cast<const char*>(wm_) + pn * S::WM_BYTES : nullptr;
     }
 
-    using S = MmqSmem<MIN, H>;
+    using S = MmqSmem<MIN, H, D>;
     static __device__ __forceinline__ unsigned long long* bar(char* smem, int buf) {
         return reinterpret_cast<unsigned long long*>(smem + S::BARS) + buf;
     }
@@ -161,7 +168,7 @@ struct MmqBlock {
             unsigned long long* done = bar(smem, stage % MMQ_STAGES);
             mbar_expect(done, bytes);
             bulk_copy(st + S::A, a + ((size_t)stage << 13), MMQ_BM * 128, done);
-            bulk_copy(st + S::B, b + ((size_t)stage << 14), MMQ_BN * 128, done);
+            bulk_copy(st + S::B, b + ((size_t)stage << (13 + D)), D * MMQ_BN * 128, done);
             bulk_copy(st + S::DC, dc + ((size_t)stage << 8), MMQ_BKB * MMQ_BM * 8, done);
             bulk_copy(st + S::WD, wd + ((size_t)stage << 9) * H, H * MMQ_BKB * MMQ_BN * 4, done);
             if constexpr (MIN) {
@@ -176,8 +183,8 @@ struct MmqBlock {
             for (int q = 0; q < MMQ_BM / 16; ++q)
                 cp_async16(st + S::A + q * 2048, chunk(a, 13, stage) + q * 2048, true);
 #pragma unroll
-            for (int q = 0; q < MMQ_BN / 16; ++q)
-                cp_async16(st + S::B + q * 2048, chunk(b, 14, stage) + q * 2048, true);
+            for (int q = 0; q < D * MMQ_BN / 16; ++q)
+                cp_async16(st + S::B + q * 2048, chunk(b, 13 + D, stage) + q * 2048, true);
             cp_async16(st + S::DC, chunk(dc, 8, stage), true);
 #pragma unroll
             for (int h = 0; h < H; ++h)  // pieces of H times the floats: H chunks a thread
@@ -274,7 +281,13 @@ __device__ __forceinline__ void mma16_s8_const(int* d, const int* a, int b) {
 // H = 2: each quant block as two k16 MMAs, each half with its own weight scale (and minimum and sum).  HALF: the
 // tile's rows past 32 are empty (M <= 32, one row of tiles): the four warps take rows 0-31 and a quarter of the
 // columns each, instead of half the rows and half the columns, so that no warp multiplies only padding.
-template <bool MIN, int H = 1, bool HALF = false>
+// D = 2 (Q6_K, whose values q * sc, up to 13 bits, are folded as w = 128 hi + lo, two int8 digits; groups.py): a
+// k32 MMA a digit, D_hi = BIAS_HI + Σ a hi and D_lo = BIAS_LO + Σ a lo, then three FFMAs an output and block where
+// the two k16 MMAs of a scale per 16 take four: t1 = D_hi c1 + c2 = d_a 2^-45 (128 Σ a hi - BIAS_LO) and
+// t = D_lo (c1 2^-7) + t1 = d_a 2^-45 Σ a w (two roundings, each of one ulp of a sum below 2^25), times the
+// weight scale d 2^7 (layouts.py) into the same out * 2^-38 as the others.  d is a super-block's (two stages), so
+// each column's is read once a stage.
+template <bool MIN, int H = 1, bool HALF = false, int D = 1>
 __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float* __restrict__ wd,
                                          const i8* __restrict__ aq, const float2* __restrict__ dc,
                                          const void* __restrict__ sa_, const void* __restrict__ wm_,
@@ -284,7 +297,8 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
     const int g = lane >> 2, t = lane & 3;
     constexpr int NI = HALF ? 4 : 8, WCOLS = 8 * NI;  // a warp's n-tiles of 8 columns, and its columns
     const int wm = HALF ? 0 : warp >> 1, wn = HALF ? warp : warp & 1;
-    const MmqBlock<MMQ_CAN_BULK, MIN, H> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
+    static_assert(D == 1 || (H == 1 && !MIN), "two digits: one scale a block, signed values");
+    const MmqBlock<MMQ_CAN_BULK, MIN, H, D> blk(wq, wd, aq, dc, K, stages_per_split, sa_, wm_);
     using S = typename decltype(blk)::S;
     float acc[2][NI][4] = {};
     // MIN, H = 1: the m_w s_a term, unscaled, added at the store.  H = 2 (mmq16_min) has no registers to spare for
@@ -357,38 +371,59 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
         }
 #pragma unroll kMmqUnroll
         for (int j = 0; j < MMQ_BKB; ++j) {
-            int a[2][4], b[NI][2];
+            int a[2][4], b[D][NI][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(a[mi], st + a_off + mi * 2048 + j * 256);
 #pragma unroll
-            for (int p = 0; p < NI / 2; ++p) {
-                int v[4];
-                ldmatrix_x4(v, st + b_off + p * 2048 + j * 256);
-                b[2 * p][0] = v[0];
-                b[2 * p][1] = v[1];
-                b[2 * p + 1][0] = v[2];
-                b[2 * p + 1][1] = v[3];
-            }
+            for (int dg = 0; dg < D; ++dg)
+#pragma unroll
+                for (int p = 0; p < NI / 2; ++p) {
+                    int v[4];
+                    ldmatrix_x4(v, st + b_off + dg * MMQ_BN * 128 + p * 2048 + j * 256);
+                    b[dg][2 * p][0] = v[0];
+                    b[dg][2 * p][1] = v[1];
+                    b[dg][2 * p + 1][0] = v[2];
+                    b[dg][2 * p + 1][1] = v[3];
+                }
             float2 da[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) da[mi][h] = sDC[j * MMQ_BM + mi * 16 + 8 * h];
+            float lo_c1[D == 2 ? 2 : 1][2];  // D = 2: c1 2^-7 = d_a 2^104 (exact)
+#pragma unroll
+            for (int mi = 0; mi < (D == 2 ? 2 : 0); ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) lo_c1[mi][h] = da[mi][h].x * 0x1p-7f;
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
 #pragma unroll
                 for (int hh = 0; hh < H; ++hh) {
-                    const float2 w = *reinterpret_cast<const float2*>(sWD + (j * H + hh) * MMQ_BN + ni * 8);
+                    const int jw = D == 2 ? 0 : j;  // D = 2: the stage's one d (above)
+                    const float2 w = *reinterpret_cast<const float2*>(sWD + (jw * H + hh) * MMQ_BN + ni * 8);
 #pragma unroll
                     for (int mi = 0; mi < 2; ++mi) {
-                        int c[4];
-                        if constexpr (H == 1) mma_s8_const<MMQ_BIAS>(c, a[mi], b[ni]);
-                        else mma16_s8_const<MMQ_BIAS>(c, a[mi] + 2 * hh, b[ni][hh]);
+                        if constexpr (D == 2) {
+                            int lo[4], hi[4];
+                            mma_s8_const<MMQ_BIAS_LO>(lo, a[mi], b[0][ni]);
+                            mma_s8_const<MMQ_BIAS_HI>(hi, a[mi], b[1][ni]);
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float2 d = da[mi][e >> 1];
-                            const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
-                            acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
+                            for (int e = 0; e < 4; ++e) {
+                                const float2 d = da[mi][e >> 1];
+                                const float t1 = fma_keep_denormals(__int_as_float(hi[e]), d.x, d.y);
+                                const float ts = fma_keep_denormals(__int_as_float(lo[e]), lo_c1[mi][e >> 1], t1);
+                                acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
+                            }
+                        } else {
+                            int c[4];
+                            if constexpr (H == 1) mma_s8_const<MMQ_BIAS>(c, a[mi], b[0][ni]);
+                            else mma16_s8_const<MMQ_BIAS>(c, a[mi] + 2 * hh, b[0][ni][hh]);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float2 d = da[mi][e >> 1];
+                                const float ts = fma_keep_denormals(__int_as_float(c[e]), d.x, d.y);  // round(d_a sumi) 2^-38
+                                acc[mi][ni][e] = fmaf(ts, (e & 1) ? w.y : w.x, acc[mi][ni][e]);
+                            }
                         }
                     }
                 }
@@ -409,15 +444,17 @@ __device__ __forceinline__ void mmq_tile(const i8* __restrict__ wq, const float*
 // The entries, each also as name_m32 (HALF, for M <= 32; launch: Mmq).  Formats with a minimum: unsigned weights,
 // and the m_w s_a term (sa: the activations' sums, tiled as dc).  mmq16: the formats with a scale per 16 values
 // (Q6_K; Q2_K with its minima and D2S6 sums): wd, wm and sa hold two values a block and row, the halves'
-// (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).
-#define MMQ_ENTRY(name, H, HALF, MINB)                                                                          \
+// (launch.py's mmq layout with H = 2; q8_1.cu's D2S6 quantizer).  mmq_d2: two int8 digits a value (Q6_K, D = 2).
+#define MMQ_ENTRY_D(name, H, HALF, MINB, D)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MINB)                                             \
         name(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,               \
              const float2* __restrict__ dc, float* __restrict__ Y, int M, int N, int K, int stages_per_split,  \
              int atomic) {                                                                                      \
         extern __shared__ __align__(128) char smem[];                                                           \
-        mmq_tile<false, H, HALF>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic, smem); \
+        mmq_tile<false, H, HALF, D>(wq, wd, aq, dc, nullptr, nullptr, Y, M, N, K, stages_per_split, atomic,    \
+                                    smem);                                                                      \
     }
+#define MMQ_ENTRY(name, H, HALF, MINB) MMQ_ENTRY_D(name, H, HALF, MINB, 1)
 #define MMQ_ENTRY_MIN(name, H, HALF)                                                                            \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
         name(const i8* __restrict__ wq, const float* __restrict__ wd, const i8* __restrict__ aq,               \
@@ -430,6 +467,7 @@ MMQ_ENTRY(mmq, 1, false, MMQ_MIN_BLOCKS_PLAIN) MMQ_ENTRY(mmq_m32, 1, true, MMQ_M
 MMQ_ENTRY_MIN(mmq_min, 1, false) MMQ_ENTRY_MIN(mmq_min_m32, 1, true)
 MMQ_ENTRY(mmq16, 2, false, MMQ_MIN_BLOCKS) MMQ_ENTRY(mmq16_m32, 2, true, MMQ_MIN_BLOCKS)
 MMQ_ENTRY_MIN(mmq16_min, 2, false) MMQ_ENTRY_MIN(mmq16_min_m32, 2, true)
+MMQ_ENTRY_D(mmq_d2, 1, false, MMQ_MIN_BLOCKS, 2) MMQ_ENTRY_D(mmq_d2_m32, 1, true, MMQ_MIN_BLOCKS, 2)
 
 // ---- mmq_wgmma: the same tiles and stages through Hopper's wgmma (sm_90a) ------------------------
 // Two warpgroups a block, each the 64 x 64 half of the 64 x 128 tile (wgmma.m64n64k32 per quant block, 16

@@ -20,6 +20,7 @@ from kernels.cuda.launch import (
     MMQ16_SMEM_MIN,
     MMQ_BM,
     MMQ_BN,
+    MMQ_D2_SMEM,
     MMQ_SMEM,
     MMQ_SMEM_MIN,
     MMQ_THREADS,
@@ -38,7 +39,7 @@ from kernels.cuda.launch import (
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
 from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
-from kernels.groups import GROUPED, mmq_scales_a_block
+from kernels.groups import GROUPED, MMQ_D2_TYPES, mmq_scales_a_block
 from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
 
@@ -160,13 +161,15 @@ class MulMatVecF(CudaKernel):
 class Mmq(CudaKernel):
     """mmq (mma.sync, 4 warps) or mmq_wgmma (two warpgroups): the same tiles, layouts and grid; one kernel for
     every signed weight type (its layouts carry the format), `_min` for formats with a minimum, `mmq16` for a
-    scale per 16 values; up to 32 rows (one row of 64-row tiles, half empty) mma.sync's `_m32` variants, whose
-    four warps share rows 0-31 instead of leaving two on padding."""
+    scale per 16 values; mmq_d2 (entry and layout of its own) for Q6_K's folded values in two int8 digits; up to
+    32 rows (one row of 64-row tiles, half empty) mma.sync's `_m32` variants, whose four warps share rows 0-31
+    instead of leaving two on padding."""
 
     entry: str = "mmq"
     SHAPES: ClassVar[dict[str, tuple[int, int]]] = {  # (threads, dynamic shared memory)
         "mmq": (MMQ_THREADS, MMQ_SMEM), "mmq_min": (MMQ_THREADS, MMQ_SMEM_MIN), "mmq16": (MMQ_THREADS, MMQ16_SMEM),
-        "mmq16_min": (MMQ_THREADS, MMQ16_SMEM_MIN), "mmq_wgmma": (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)}
+        "mmq16_min": (MMQ_THREADS, MMQ16_SMEM_MIN), "mmq_d2": (MMQ_THREADS, MMQ_D2_SMEM),
+        "mmq_wgmma": (2 * MMQ_THREADS, MMQ_WGMMA_SMEM)}
 
     def activations_for(self, type_name: str) -> ActivationLayout:
         return L.mmq_activations(type_name)
@@ -181,8 +184,7 @@ class Mmq(CudaKernel):
         grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
         base, minimum = self.entry, "wm" in w
         fmt = format_of(type_name)
-        if fmt is not None and fmt.grouped and mmq_scales_a_block(type_name) == 2:
-            assert base == "mmq", "mmq_wgmma takes one scale per 32 values only"
+        if base == "mmq" and fmt is not None and fmt.grouped and mmq_scales_a_block(type_name) == 2:
             base = "mmq16"
         if minimum:
             assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
@@ -390,6 +392,13 @@ register(Mmq(
                 "Q5_1, Q2_K, Q4_K, Q5_K) keep unsigned weights and add m_w*s_a (both halves, as in llama.cpp) as an "
                 "fp16 MMA a stage; a scale per 16 values (Q2_K, Q6_K) as two k16 MMAs a block, Q3_K's folded into "
                 "its int8 values"))
+register(Mmq(
+    name="mmq_d2", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_d2", layout=L.MMQ_D2, min_cc=80,
+    weight_types=MMQ_D2_TYPES, auto_rank=6,
+    description="mmq for Q6_K with its integer scales folded into the values (q * sc, 13 bits) held as two int8 "
+                "digits: two k32 MMAs a block (one a digit) and three fp32 FMAs an output where mmq's two k16 MMAs "
+                "(a scale per 16 values) take four; twice mmq's weight bytes (faster from 128 rows on the H100, "
+                "slower below)"))
 register(Mmq(
     name="mmq_wgmma", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_wgmma", layout=L.MMQ, min_cc=90,
     max_cc=90, weight_types=MMQ_SIGNED_TYPES, auto_rank=6,

@@ -31,6 +31,8 @@ MMQ_WGMMA_SMEM = cdiv(MMQ_SMEM, 128) * 128 + 2048  # MmqWgSmem::BYTES: then the 
 # MmqSmem<MIN, 2> (mmq16, mmq16_min): two weight scales a block, and two minima and sums
 MMQ16_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + 8)
 MMQ16_SMEM_MIN = MMQ_STAGES * (MMQ_STAGE + MMQ_BKB * MMQ_BN * 4 + (MMQ_BM + MMQ_BN) * mmq_min_bytes(2) + 8)
+# MmqSmem<false, 1, 2> (mmq_d2): a weight piece of two int8 digits
+MMQ_D2_SMEM = MMQ_STAGES * (MMQ_STAGE + MMQ_BN * MMQ_BKB * QK + 8)
 # the variants' __launch_bounds__ minimum (mmq itself takes 3), and how often their shared memory fits an SM
 MMQ_BLOCKS_PER_SM = 2
 

@@ -33,7 +33,7 @@ from kernels.cuda.launch import (
     takes_skinny,
 )
 from kernels.formats import FORMATS, QK, format_of, mmq_ds_layout
-from kernels.groups import GROUPED, mmq_scales_a_block, mmq_weights
+from kernels.groups import GROUPED, MMQ_D2_TYPES, int8_digits, mmq_scales_a_block, mmq_weights
 from kernels.kernel import Layout
 
 try:
@@ -103,13 +103,18 @@ class SplitPlanes(WeightLayout):
 class MmqTiles(WeightLayout):
     """Signed (or, with a minimum, unsigned) int8 rows in the core-matrix order fast.cu's mmq copies, and
     block-major fp32 scales, and minima as halves in row-major pieces (fast.cu MmqSmem; Q2_K's last two halves of a
-    stage also as floats): llama.cpp's MMQ tiles, made on the host once."""
+    stage also as floats): llama.cpp's MMQ tiles, made on the host once.  `digits` 2 (mmq_d2): Q6_K's values with
+    their integer scales folded in, each as two int8 digits (groups.py MMQ_D2_TYPES)."""
+
+    def __init__(self, name: str, digits: int = 1):
+        super().__init__(name)
+        self.digits = digits
 
     def nbytes(self, type_name: str, n: int, k: int) -> int:
         fmt = _format(type_name)
-        h = mmq_scales_a_block(type_name) if fmt.grouped else 1  # weight scales a block (and minima)
+        h = mmq_scales_a_block(type_name, self.digits) if fmt.grouped else 1  # weight scales a block (and minima)
         minimum = fmt.has_min or fmt.group_min
-        per_block = QK + 4 * h + (mmq_min_bytes(h) // MMQ_BKB if minimum else 0)
+        per_block = QK * self.digits + 4 * h + (mmq_min_bytes(h) // MMQ_BKB if minimum else 0)
         return math.prod(mmq_tiles(n, k, MMQ_BN)) * MMQ_BN * MMQ_BKB * per_block
 
     def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
@@ -117,9 +122,12 @@ class MmqTiles(WeightLayout):
         kb = k // QK
         nt, sb = mmq_tiles(n, k, MMQ_BN)
         rows, kbp = nt * MMQ_BN, sb * MMQ_BKB
-        qp = np.zeros((rows, kbp * QK), dtype=np.int8)  # padding rows and blocks are zeros
+        digits = self.digits
+        if digits == 2 and type_name not in MMQ_D2_TYPES:
+            raise ValueError(f"{self.name} holds {', '.join(MMQ_D2_TYPES)} only, not {type_name}")
+        qp = np.zeros((rows, kbp * QK), dtype=np.int8 if digits == 1 else np.int16)  # padding: zeros
         if fmt.grouped:  # the integers and group scales of llama.cpp's MMQ tiles (groups.py)
-            gw = mmq_weights(type_name, raw)
+            gw = mmq_weights(type_name, raw, digits)
             qp[:n, :k] = gw.q
             d, mins, h = gw.mmq_scale, gw.mmq_min, QK // gw.group
         else:
@@ -136,9 +144,17 @@ class MmqTiles(WeightLayout):
             t = full.reshape(nt, MMQ_BN, sb, MMQ_BKB * h).transpose((0, 2, 1, 3) if row_major else (0, 2, 3, 1))
             return np.ascontiguousarray(t).reshape(-1)
 
-        # quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]
-        cores = qp.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
-        out = {"wq": cupy.asarray(np.ascontiguousarray(cores).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
+        def cores(q: np.ndarray) -> np.ndarray:
+            """Quants in core-matrix order within a piece: [row/8][k/16][row%8][k%16]."""
+            return q.reshape(nt, MMQ_BN // 8, 8, sb, 8, 16).transpose(0, 3, 1, 4, 2, 5)
+
+        if digits == 1:
+            wq = cores(qp)
+        else:  # two int8 digits (Q6_K's q * sc): each stage piece the low digits' 128 rows, then the high digits'
+            # (fast.cu D = 2), whose sum is in units of 2^-7 of mmq's: the scale d * 2^7 (exact)
+            wq = np.stack([cores(p) for p in int8_digits(qp)], axis=2)
+            d = d * 128.0
+        out = {"wq": cupy.asarray(np.ascontiguousarray(wq).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
         if mins is not None:  # m_w, what the m_w s_a term multiplies by: halves (as in llama.cpp), the B operand of
             # mmq's fp16 MMA, [tile][stage][row][block][half]; for Q2_K (H = 2) each piece then has halves 6 and 7
             # of its stage as floats [2][row] (fast.cu MmqSmem)
@@ -259,6 +275,7 @@ GGUF = GgufBlocks("gguf")
 SPLIT = SplitPlanes("split")
 CHUNKED = ChunkedRows("chunked")
 MMQ = MmqTiles("mmq")
+MMQ_D2 = MmqTiles("mmq_d2", digits=2)
 F16 = FloatMatrix("f16")
 F32 = FloatMatrix("f32")
 BF16 = FloatMatrix("bf16")
