@@ -108,6 +108,14 @@ class GroupedFormat:
     def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values [.., K] with the integer group scales folded in, int8 or, for two digits, int16; their scale
         per 32 values)."""
+        sc, d = self.mmq_fold_scales(b)
+        q = self.decode(b)[0].reshape(*b.shape, 16, 16).astype(np.int16)
+        folded = (q * sc.astype(np.int16)[..., None]).astype(np.int8 if self.mmq_digits == 1 else np.int16)
+        return folded.reshape(*b.shape[:-1], -1), np.repeat(d[..., None], 8, axis=-1).reshape(*b.shape[:-1], -1)
+
+    def mmq_fold_scales(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the integer scales [.., 16] a folding format multiplies into its values, the float scale a
+        super-block [..] left), their product being MMQ's scale."""
         raise NotImplementedError
 
     @property
@@ -172,11 +180,8 @@ class Q3K(GroupedFormat):
     # a block's two halves, sc_0 sumi_0 + sc_1 sumi_1, exact in the MMA's int32 (|.| <= 32 * 128 * 127)
     mmq_folds = True
 
-    def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = self.decode(b)[0].reshape(*b.shape, 16, 16).astype(np.int16)
-        folded = -(q * _q3_k_scales(b["scales"])[..., None])
-        d = np.repeat(-_f64(b["d"])[..., None], 8, axis=-1)  # per 32 values
-        return folded.astype(np.int8).reshape(*b.shape[:-1], -1), d.reshape(*b.shape[:-1], -1)
+    def mmq_fold_scales(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return -_q3_k_scales(b["scales"]), -_f64(b["d"])
 
 
 class Q4K(GroupedFormat):
@@ -229,11 +234,8 @@ class Q6K(GroupedFormat):
     # two halves summed exactly in the MMAs' int32 (fast.cu D = 2); llama.cpp's scales are the float d*sc (exact)
     mmq_folds, mmq_digits = True, 2
 
-    def mmq_folded(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = self.decode(b)[0].reshape(*b.shape, 16, 16).astype(np.int16)
-        folded = q * b["scales"].astype(np.int16)[..., None]
-        d = np.repeat(_f64(b["d"])[..., None], 8, axis=-1)  # per 32 values
-        return folded.reshape(*b.shape[:-1], -1), d.reshape(*b.shape[:-1], -1)
+    def mmq_fold_scales(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return b["scales"], _f64(b["d"])
 
 
 class IQ4NL(GroupedFormat):
