@@ -16,7 +16,8 @@ from tests.test_gpu import backend, check_kernel  # noqa: F401  (the module's ba
 pytestmark = pytest.mark.gpu
 
 KERNELS_OF_GROUPS = [name for name, s in KERNELS.items() if s.backend == "cuda" and s.quantizes
-                     and "Q4_K" in s.weight_types or name == "mmq_wgmma"]
+                     and set(GROUPED_TYPES) & set(s.weight_types) or name == "mmq_wgmma"]
+MMQ_OF_GROUPS = ["mmq", "mmq_d2"]  # mmq's kernels for the grouped formats (mmq_d2: Q6_K)
 SHAPES = [(1, 257, 768), (2, 33, 4352), (5, 1, 256), (8, 257, 4352), (9, 257, 768), (17, 33, 4352),
           (130, 257, 768), (300, 257, 4352), (64, 256, 1280)]
 
@@ -37,13 +38,21 @@ def test_grouped_kernel_matches_reference(backend, rng: np.random.Generator, ker
         pytest.skip(f"{kernel} takes no {type_name} shape here")
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "mmq"])
+def one_value_activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    """Activation blocks of one value each, of either sign: every q_a = +-127."""
+    signs = rng.choice([-1.0, 1.0], size=(m, k // 32, 1)) * rng.uniform(0.5, 2.0, size=(m, k // 32, 1))
+    return np.broadcast_to(signs, (m, k // 32, 32)).reshape(m, k)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", *MMQ_OF_GROUPS])
 @pytest.mark.parametrize("type_name", GROUPED_TYPES)
 def test_grouped_extreme_blocks(backend, rng: np.random.Generator, kernel: str, type_name: str) -> None:  # noqa: F811
     """Every quant and sub-scale byte of a block at 0x00 or 0xFF (the lowest and highest codes, the largest
     sub-scales and minima), against activation blocks of one value (every q_a = +-127)."""
     spec = KERNELS[kernel]
-    m, n, k = (65 if kernel == "mmq" else 5), 130, 512
+    m, n, k = (65 if kernel.startswith("mmq") else 5), 130, 512
+    if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
+        pytest.skip(f"{kernel} does not take {type_name} here")
     raw = groups.random_blocks(type_name, n, k, rng)
     b = groups.blocks_of(type_name, raw)
     for field in b.dtype.names:
@@ -52,10 +61,27 @@ def test_grouped_extreme_blocks(backend, rng: np.random.Generator, kernel: str, 
             pick = rng.integers(0, 3, v.shape[:2])
             v[pick == 1] = 0x00
             v[pick == 2] = 0xFF
-    signs = rng.choice([-1.0, 1.0], size=(m, k // 32, 1)) * rng.uniform(0.5, 2.0, size=(m, k // 32, 1))
-    x = np.broadcast_to(signs, (m, k // 32, 32)).reshape(m, k)
-    check_kernel(backend, spec, type_name, np.ascontiguousarray(b).view(np.uint8).reshape(n, -1), x,
-                 key=f"extreme groups {kernel}")
+    check_kernel(backend, spec, type_name, np.ascontiguousarray(b).view(np.uint8).reshape(n, -1),
+                 one_value_activations(rng, m, k), key=f"extreme groups {kernel}")
+
+
+@pytest.mark.parametrize("kernel", ["gemv", *MMQ_OF_GROUPS])
+def test_q6_k_folded_values_at_their_limits(backend, rng: np.random.Generator, kernel: str) -> None:  # noqa: F811
+    """Q6_K's values at -32 or 31 with sub-scales of -128, 127, +-2 and +-1, so that q * sc reaches 4096 and
+    -4064 (mmq_d2's high digit +-32) and 64 / -64 (its low digit -64), against activation blocks of one value:
+    the sums of both digits at their extremes, inside fast.cu's biases (MMQ_BIAS_LO, MMQ_BIAS_HI)."""
+    spec = KERNELS[kernel]
+    m, n, k = (65 if kernel.startswith("mmq") else 5), 130, 512
+    if spec.can_run("Q6_K", m, n, k, backend.cc) or backend.kernel_reason(spec):
+        pytest.skip(f"{kernel} does not take Q6_K here")
+    b = groups.blocks_of("Q6_K", groups.random_blocks("Q6_K", n, k, rng))
+    low = rng.integers(0, 2, b.shape)[..., None] == 1  # a super-block's values all -32 (ql, qh 0) or all 31
+    b["ql"], b["qh"] = np.where(low, 0x00, 0xFF), np.where(low, 0x00, 0xFF)
+    b["scales"] = rng.choice(np.array([-128, 127, -2, 2, -1, 1], np.int8), size=b["scales"].shape)
+    q = groups.mmq_weights("Q6_K", b.view(np.uint8).reshape(n, -1), 2).q
+    assert q.max() == 4096 and q.min() == -4064 and 64 in q and -64 in q
+    check_kernel(backend, spec, "Q6_K", np.ascontiguousarray(b).view(np.uint8).reshape(n, -1),
+                 one_value_activations(rng, m, k), key=f"q6_k limits {kernel}")
 
 
 def test_quantize_d2s6_bit_exact(backend, rng: np.random.Generator) -> None:  # noqa: F811
@@ -68,13 +94,19 @@ def test_quantize_d2s6_bit_exact(backend, rng: np.random.Generator) -> None:  # 
         assert np.all(np.abs(got.s.astype(np.float32) - want.s.astype(np.float32)) <= ulp), (m, k)
 
 
+@pytest.mark.parametrize("kernel", MMQ_OF_GROUPS)
 @pytest.mark.parametrize("type_name", GROUPED_TYPES)
-def test_grouped_mmq_several_waves(backend, rng: np.random.Generator, monkeypatch, type_name: str) -> None:  # noqa: F811
-    """mmq (mmq16 for the formats with 16-value scales) over grids of several waves, without split-K."""
+def test_grouped_mmq_several_waves(backend, rng: np.random.Generator, monkeypatch, kernel: str,  # noqa: F811
+                                   type_name: str) -> None:
+    """mmq (mmq16 for the formats with 16-value scales; mmq_d2 for Q6_K's two digits) over grids of several
+    waves, without split-K."""
+    spec = KERNELS[kernel]
+    if spec.can_run(type_name, 300, 257, 768, backend.cc) or backend.kernel_reason(spec):
+        pytest.skip(f"{kernel} does not take {type_name} here")
     monkeypatch.setattr(backend.modules, "sm_count", 2)
     for m, n, k in ((300, 257, 768), (70, 129, 4352)):
         raw = groups.random_blocks(type_name, n, k, rng)
-        check_kernel(backend, KERNELS["mmq"], type_name, raw, rng.standard_normal((m, k)), key=f"waves {m}")
+        check_kernel(backend, spec, type_name, raw, rng.standard_normal((m, k)), key=f"waves {kernel} {m}")
 
 
 @pytest.mark.parametrize("split", [1, 2, 4])
