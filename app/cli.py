@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                     loop="uvloop", http="httptools", access_log=settings.access_log,
                     log_config=logs.config(settings.log_level, settings.log_format))
         return 0
-    from app import supervisor
+    from app.serving import supervisor
 
     logs.setup(settings.log_level, settings.log_format)
     return supervisor.serve(settings)

@@ -1,9 +1,11 @@
 """The matmul engine: a request's product on the device that holds its tensor.
 
 It opens the devices (kernels/devices.py: a worker per GPU of QGEMM_DEVICES, QGEMM_CPU_DEVICES on the CPU,
-app/workers.py), checks a request once (app/tensors.py, app/validation.py), has the kernel chosen
-(kernels/select.py), places the tensor (app/placement.py) and queues the product with that device's
-scheduler (app/scheduler.py), which batches it with others.  A replicated tensor's request goes to its least
+app/workers.py), takes requests checked by app/checks.py (`run`; `matmul` checks first), checks X's values,
+has the kernel chosen (kernels/select.py), places the tensor (app/placement.py) and queues the product with that
+device's scheduler (app/scheduler.py), which batches it with others.  `enqueue` is the path of every request: on
+one device, a small request is queued without a coroutine of its own (an engine process does this for every
+request of a frame); the rest (large X, several devices) run as a task.  A replicated tensor's request goes to its least
 loaded copy; a tensor split by rows runs on all its devices at once, each writing its block of output columns.
 It speaks the domain: its errors are kernels.errors' exceptions, which app/errors.py turns into HTTP answers.
 """
@@ -13,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
 from fastapi.concurrency import run_in_threadpool
 
 from app import placement
+from app.checks import Checked, check_output, check_request, check_values
 from app.placement import Part, Placement, Placements, Replica
-from app.scheduler import Answer
+from app.scheduler import Answer, BatchAnswer
 from app.settings import Settings
 from app.tensors import effective, weight_bytes, weights
-from app.validation import check_output, check_shape, check_values
 from app.workers import Worker
 from kernels.backend import InFlight
 from kernels.devices import open_devices
@@ -40,6 +44,15 @@ from models.store import Model, TensorInfo
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
+
+
+def _settle(future: asyncio.Future, outcome: Answer | BaseException) -> None:
+    if future.done():  # its caller went away
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +75,7 @@ class Engine:
             kind: [Worker(b, self._run_batch, settings.batch_max_rows, settings.batch_wait_us) for b in backends]
             for kind, backends in (("cpu", self.devices.cpu), ("cuda", self.devices.cuda))}
         self.placements = {"cpu": Placements(), "cuda": Placements()}
+        self._tasks: set[asyncio.Task] = set()  # products of the general path in flight
         self.outputs: Any = None  # pinned host arrays for large GPU outputs (kernels/cuda/host_memory.py)
         if self.devices.cuda:
             from kernels.cuda.host_memory import PinnedOutputs
@@ -107,20 +121,16 @@ class Engine:
         """The kernel for M rows of a tensor that can be multiplied (`effective` checked it)."""
         return self.chooser.choose(kernel, info.name, info.type_name, m, *info.shape)
 
-    # -- checks -------------------------------------------------------------------------------
-    def prepare(self, eff: TensorInfo, x: np.ndarray, kernel: str | Kernel,
-                values: bool = True) -> tuple[np.ndarray, Kernel | None]:
-        """Every check a request can fail before it queues, on the tensor as multiplied: X as float32, and its
-        kernel (None: auto).  `values` False leaves X's values (NaN, inf, Q8_1's range) to `check_values` after
-        the product, where the device measured each row's max|x| (a pass over X on the host costs milliseconds
-        at M = 512)."""
-        check_shape(x, eff, self.settings.max_rows)
-        spec = self.choose(kernel, eff, x.shape[0])
+    # -- checks ---------------------------------------------------------------------------------
+    def prepare(self, c: Checked, x: np.ndarray, values: bool = True) -> np.ndarray:
+        """X as float32, its values checked (`values` False leaves NaN, inf and Q8_1's range to `check_values` after
+        the product, where the device measured each row's max|x|: a pass over X on the host costs milliseconds at
+        M = 512)."""
         with np.errstate(over="ignore", invalid="ignore"):
             x32 = np.ascontiguousarray(x, dtype=np.float32)
         if values:
-            check_values(eff, x, x32, kernel == "auto", spec)
-        return x32, None if kernel == "auto" else spec
+            check_values(c.eff, x, x32, c.kernel is None, c.kernel or self.choose("auto", c.eff, x.shape[0]))
+        return x32
 
     # -- where tensors live ----------------------------------------------------------------------
     def placement_of(self, backend: str, model: Model, info: TensorInfo, scheme: Scheme | None,
@@ -156,16 +166,91 @@ class Engine:
     # -- running ----------------------------------------------------------------------------------
     async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
                      scheme: Scheme | None = None, out: np.ndarray | None = None) -> Answer:
-        """A request's product, through the scheduler of the device that holds its tensor (which may batch it
-        with others of this tensor in the same weight format); on every device of a split tensor at once.  `out`
-        [M, N] float32: where Y goes (a front's shared memory), else an array of the engine's own."""
-        eff = effective(info, scheme)
+        """A product asked directly (tools, tests): checked as the routes check it, then `run`."""
+        c = check_request(self.chooser, info, scheme, x.shape, kernel, self.settings.max_rows)
+        return await self.run(model, c, x, out)
+
+    async def run(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None = None) -> Answer:
+        """A checked request's product (`enqueue`, awaited)."""
+        future = asyncio.get_running_loop().create_future()
+        self.enqueue(model, c, x, out, partial(_settle, future))
+        return await future
+
+    def enqueue(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
+                done: Callable[[Answer | BaseException], None]) -> None:
+        """A checked request's product through the scheduler of the device that holds its tensor (which may batch it
+        with others of this tensor in the same weight format), `done` called with its Answer or its error; on
+        every device of a split tensor at once.  `out` [M, N] float32: where Y goes (a front's shared memory), else
+        an array of the engine's own."""
+        try:
+            if self._enqueue_small(model, c, x, out, done):
+                return
+        except Exception as exc:
+            done(exc)
+            return
+        task = asyncio.ensure_future(self._matmul(model, c, x, out))
+        self._tasks.add(task)
+
+        def finished(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            done(asyncio.CancelledError() if t.cancelled() else t.exception() or t.result())
+
+        task.add_done_callback(finished)
+
+    def _enqueue_small(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
+                       done: Callable[[Answer | BaseException], None]) -> bool:
+        """The common case queued at once: float32 X small enough to check on the host, one device.  False: not it."""
+        m = x.shape[0]
+        if (x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous
+                or m > self.settings.batch_max_rows):
+            return False
+        chosen = c.kernel or self.choose("auto", c.eff, m)
+        pool = self.pools[chosen.backend]
+        if len(pool) != 1:
+            return False
+        with np.errstate(invalid="ignore"):
+            amax = max(float(x.max()), -float(x.min()))  # one value says it all: NaN and inf propagate
+        if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where, if it matters here
+            check_values(c.eff, x, x, c.kernel is None, chosen, amax)
+        worker = pool[0]
+        self._admit([worker])
+        if out is None and chosen.backend == "cuda" and self.outputs:
+            out = self.outputs.array((m, c.eff.shape[0]))
+        key = (model.version_key, c.info.name, c.scheme.tag if c.scheme else "")
+        job = Job(model, c.info, c.scheme, c.eff, None)
+
+        def settle(got: BatchAnswer | BaseException) -> None:
+            if isinstance(got, BaseException):
+                done(got)
+                return
+            if got.result.finite is not True:  # unless the device checked
+                try:
+                    check_output(got.output)
+                except InvalidRequest as exc:
+                    done(exc)
+                    return
+            done(Answer(got.output, got.spec, got.result, {"requests": got.requests, "rows": got.rows},
+                        got.queue_ms, [worker.label], got.x_amax))
+
+        worker.scheduler.enqueue(key, job, x, c.kernel, out, settle)
+        return True
+
+    def _admit(self, workers: list[Worker]) -> None:
+        """A bounded queue: past it, latency would grow without bound; the client retries instead."""
+        for w in workers:
+            if w.scheduler.depth() >= self.settings.max_queue:
+                raise Overloaded(f"{w.label} has {w.scheduler.depth()} requests waiting (QGEMM_MAX_QUEUE="
+                                 f"{self.settings.max_queue}): retry after the Retry-After seconds")
+
+    async def _matmul(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None) -> Answer:
+        """The general case: large X (checked from the max|x| the device measures), several devices."""
+        info, scheme, eff, spec = c.info, c.scheme, c.eff, c.kernel
         # large X on a GPU: its values are checked from the max|x| per row the device measures as it quantizes
         on_device = x.size > INLINE_VALUES and self.cuda is not None
         if x.size <= INLINE_VALUES or (on_device and x.dtype == np.float32 and x.flags.c_contiguous):
-            x32, spec = self.prepare(eff, x, kernel, values=not on_device)
+            x32 = self.prepare(c, x, values=not on_device)
         else:  # large X: its checks (or its conversion) take milliseconds, off the event loop
-            x32, spec = await run_in_threadpool(self.prepare, eff, x, kernel, not on_device)
+            x32 = await run_in_threadpool(self.prepare, c, x, not on_device)
         chosen = spec or self.choose("auto", eff, x32.shape[0])
         backend = chosen.backend
         pool = self.pools[backend]
@@ -175,10 +260,7 @@ class Engine:
         else:
             found = self.placement_of(backend, model, info, scheme, eff)
             replica = self.placements[backend].pick(found, lambda d: pool[d].load())
-        busy = [pool[part.device] for part in replica if pool[part.device].scheduler.depth() >= self.settings.max_queue]
-        if busy:  # a bounded queue: past it, latency would grow without bound; the client retries instead
-            raise Overloaded(f"{busy[0].label} has {busy[0].scheduler.depth()} requests waiting (QGEMM_MAX_QUEUE="
-                             f"{self.settings.max_queue}): retry after the Retry-After seconds")
+        self._admit([pool[part.device] for part in replica])
         # a large output is written by the GPU into pinned memory of its own: no copy, no join of a split's blocks
         if out is None and backend == "cuda" and self.outputs:
             out = self.outputs.array((x32.shape[0], eff.shape[0]))

@@ -13,15 +13,14 @@ from fastapi_offline import FastAPIOffline
 from starlette.routing import Route
 
 from app import __version__, errors, openapi, web
-from app.announce import announce, announce_models, announce_urls, announce_version
-from app.engine import Engine
+from app.announce import announce_urls, announce_version
 from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
 from app.routes import matmul, models, system
-from app.service import LocalService
+from app.service import LocalService, open_engine
 
 if TYPE_CHECKING:
-    from app.remote import RemoteService
+    from app.serving.front import RemoteService
 from app.settings import Settings
 from kernels.cache import ByteLRU
 from models import gguf_index
@@ -56,16 +55,9 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         announce_version()
-        engine = Engine(settings)
-        announce(settings, engine)
-        store = ModelStore(settings.models_dir, settings.max_header_bytes, on_retire=engine.forget,
-                           cache_dir=settings.index_dir, background=True)
+        engine, store = open_engine(settings, metrics)
         app.state.store, app.state.engine, app.state.service = store, engine, LocalService(engine)
-        for worker in engine.workers:
-            worker.scheduler.observe = metrics.observe_batch
-        metrics.track(engine.workers, engine.pools["cuda"], engine.outputs)
         app.state.stats_cache = ByteLRU(64)  # counts entries: 64 tensors' statistics
-        announce_models(settings, store.scan())
         announce_urls(settings)
         try:
             yield

@@ -130,3 +130,38 @@ class RequestMetrics:
             template = self.template(scope["path"])
             self.metrics.requests.labels(template, scope["method"], str(status)).inc()
             self.metrics.latency.labels(template).observe(time.perf_counter() - t0)
+
+
+def merge_exposition(texts: list[str]) -> str:
+    """Several engines' exposition texts as one, each family once: samples with the same name and labels summed (the
+    totals, the batch histograms), the rest side by side (each device's own, labelled by device)."""
+    if len(texts) <= 1:
+        return texts[0] if texts else ""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: dict[str, Any] = {}
+    values: dict[str, dict[tuple, Sample]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            families.setdefault(family.name, family)
+            merged = values.setdefault(family.name, {})
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                old = merged.get(key)
+                if old is None:
+                    merged[key] = s
+                elif s.name.endswith("_created"):  # the earliest start
+                    merged[key] = s._replace(value=min(old.value, s.value))
+                else:
+                    merged[key] = s._replace(value=old.value + s.value)
+    for name, family in families.items():
+        family.samples = list(values[name].values())
+
+    class Merged(Collector):
+        def collect(self) -> Iterator[Any]:
+            yield from families.values()
+
+    registry = CollectorRegistry()
+    registry.register(Merged())
+    return generate_latest(registry).decode()

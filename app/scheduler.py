@@ -19,11 +19,13 @@ device is idle); 0 turns batching off: one request (or chunk) at a time, in arri
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,17 +33,7 @@ import numpy as np
 from kernels.kernel import Kernel
 from kernels.types import Result
 
-
-@dataclass
-class Chunk:
-    """A request's rows, or a block of them, waiting for the device."""
-
-    rows: np.ndarray  # float32 [m, K]
-    context: Any  # what run_batch needs to find the weights (the same for a whole queue)
-    spec: Kernel | None  # None: auto, picked by the batch's M
-    future: asyncio.Future
-    out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
-    enqueued: float = field(default_factory=time.perf_counter)
+log = logging.getLogger("qgemm")
 
 
 @dataclass
@@ -58,6 +50,18 @@ class BatchAnswer:
 
 
 @dataclass
+class Chunk:
+    """A request's rows, or a block of them, waiting for the device."""
+
+    rows: np.ndarray  # float32 [m, K]
+    context: Any  # what run_batch needs to find the weights (the same for a whole queue)
+    spec: Kernel | None  # None: auto, picked by the batch's M
+    settle: Callable[[BatchAnswer | BaseException], None]  # called once, with its answer or the batch's error
+    out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
 class Answer:
     output: np.ndarray
     spec: Kernel
@@ -67,6 +71,23 @@ class Answer:
     devices: list[str] = field(default_factory=list)  # where it ran (several: a tensor split by rows)
     x_amax: float | None = None  # max|x| of the request's activations, where the device measured every row of it
     release: Callable[[], None] | None = None  # once the answer is sent: frees the memory `output` lives in
+
+
+def _settle(future: asyncio.Future, outcome: BatchAnswer | BaseException) -> None:
+    if future.done():  # a client that went away leaves a cancelled future
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _call(settle: Callable[[Any], None], outcome: Any) -> None:
+    """One request's settle: its fault is its own, never the other requests' of the batch."""
+    try:
+        settle(outcome)
+    except Exception:
+        log.exception("settling a product's answer failed")
 
 
 RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None]],
@@ -105,8 +126,9 @@ class Scheduler:
         if spec is not None and spec.max_m is not None:
             step = min(step, spec.max_m)
         loop = asyncio.get_running_loop()
-        chunks = [Chunk(x[i:i + step], context, spec, loop.create_future(), None if out is None else out[i:i + step])
-                  for i in range(0, m, step)]
+        futures = [loop.create_future() for _ in range(0, m, step)]
+        chunks = [Chunk(x[i:i + step], context, spec, partial(_settle, f), None if out is None else out[i:i + step])
+                  for i, f in zip(range(0, m, step), futures, strict=True)]
         qkey = (key, spec.name if spec is not None else None)
         if not self.busy and len(chunks) == 1 and not self.queues:
             # the device is idle and nobody waits: run in this coroutine (no task, no queue)
@@ -116,11 +138,8 @@ class Scheduler:
             finally:
                 self._handoff()
         else:
-            self.queues.setdefault(qkey, deque()).extend(chunks)
-            if not self.busy:
-                self.busy = True
-                asyncio.create_task(self._pump())
-        answers: list[BatchAnswer] = [await c.future for c in chunks]
+            self._queue(qkey, chunks)
+        answers: list[BatchAnswer] = [await f for f in futures]
         if out is None:
             out = answers[0].output if len(answers) == 1 else np.concatenate([a.output for a in answers])
         big = max(answers, key=lambda a: a.rows)
@@ -131,6 +150,19 @@ class Scheduler:
         x_amax = None if None in amaxes else max(amaxes, key=lambda v: v if v == v else math.inf)  # NaN wins
         return Answer(out, answers[-1].spec, answers[-1].result, batch, max(a.queue_ms for a in answers),
                       x_amax=x_amax)
+
+    def enqueue(self, key: Hashable, context: Any, x: np.ndarray, spec: Kernel | None, out: np.ndarray | None,
+                settle: Callable[[BatchAnswer | BaseException], None]) -> None:
+        """Queue X [M, K] (M within a batch: no chunks) without awaiting: `settle` gets its BatchAnswer, or the
+        error its batch raised, from the loop turn that finishes it.  No coroutine, task or future per request:
+        what an engine process's loop does for every request of a frame."""
+        self._queue((key, spec.name if spec is not None else None), [Chunk(x, context, spec, settle, out)])
+
+    def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
+        self.queues.setdefault(qkey, deque()).extend(chunks)
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._pump())
 
     def _take(self) -> list[Chunk] | None:
         """The next batch: round-robin over queues, up to max_rows rows (one chunk when batching is off)."""
@@ -159,7 +191,7 @@ class Scheduler:
                 batch = self._take()
                 if batch is None:
                     return
-                await self._run(batch)
+                await self._run(batch, alone=len(batch) == 1 and not self.queues)
                 if self.batching and self.queues:
                     await asyncio.sleep(self.wait_s)  # let the loop read requests that belong with the next batch
         finally:
@@ -180,23 +212,20 @@ class Scheduler:
                                                 [c.out for c in batch])
         except Exception as exc:
             for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(exc)
+                _call(c.settle, exc)
             return
         if self.observe is not None:
             self.observe(len(batch), rows)
         row = 0
         for i, c in enumerate(batch):
             m = c.rows.shape[0]
-            if not c.future.done():  # a client that went away leaves a cancelled future
-                if c.out is None:
-                    output = result.output[row:row + m]
-                else:
-                    if result.output is not None:  # the backend did not write the out arrays itself
-                        c.out[...] = result.output[row:row + m]
-                    output = c.out
-                x_amax = None if result.x_amax is None else result.x_amax[i]
-                c.future.set_result(BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3,
-                                                x_amax))
+            if c.out is None:
+                output = result.output[row:row + m]
+            else:
+                if result.output is not None:  # the backend did not write the out arrays itself
+                    c.out[...] = result.output[row:row + m]
+                output = c.out
+            x_amax = None if result.x_amax is None else result.x_amax[i]
+            _call(c.settle, BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3, x_amax))
             row += m
 

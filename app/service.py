@@ -1,6 +1,8 @@
 """What the routes ask of the engine, in one interface: `LocalService` runs the engine in this process (tests, Ray
-Serve replicas, `--fronts 0`); `RemoteService` (app/remote.py) asks an engine process over the channel, the same
-questions with the same answers.  Every serving feature lives behind this edge, not in the routes."""
+Serve replicas, `--fronts 0`); `RemoteService` (app/serving/front.py) asks the engine processes over the channel,
+the same questions with the same answers.  Every serving feature lives behind this edge, not in the routes.
+`open_engine` is the one factory of an engine, its model store and its metrics, for this process or an engine
+process alike."""
 
 from __future__ import annotations
 
@@ -9,24 +11,44 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from fastapi.concurrency import run_in_threadpool
 
+from app.announce import announce, announce_models
+from app.checks import Checked
 from app.engine import Engine
+from app.metrics import Metrics
 from app.scheduler import Answer
+from app.settings import Settings
 from kernels.errors import Conflict, InvalidRequest
-from kernels.kernel import Kernel
 from kernels.requant import Scheme
 from kernels.select import KernelChooser
-from models.store import Model, TensorInfo
+from models.store import Model, ModelStore, TensorInfo
+
+
+def open_engine(settings: Settings, metrics: Metrics) -> tuple[Engine, ModelStore]:
+    """An engine on the devices the settings name, the model store whose retired file versions it forgets, and
+    their metrics: what the one-process app, a Ray replica and an engine process each serve with."""
+    engine = Engine(settings)
+    announce(settings, engine)
+    store = ModelStore(settings.models_dir, settings.max_header_bytes, on_retire=engine.forget,
+                       cache_dir=settings.index_dir, background=True)
+    for worker in engine.workers:
+        worker.scheduler.observe = metrics.observe_batch
+    metrics.track(engine.workers, engine.pools["cuda"], engine.outputs)
+    announce_models(settings, store.scan())
+    return engine, store
 
 
 class Service(Protocol):
-    chooser: KernelChooser  # kernel names are checked in the front, against the registry
+    async def chooser(self) -> KernelChooser:
+        """What app/checks.py checks a named kernel against: the engine's devices."""
+        ...
 
     async def health(self) -> dict[str, Any]: ...
 
     async def kernel_table(self) -> list[dict[str, Any]]: ...
 
-    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
-                     scheme: Scheme | None) -> Answer: ...
+    async def matmul(self, model: Model, checked: Checked, x: np.ndarray) -> Answer:
+        """The product of a request app/checks.py checked (its values are the engine's to check)."""
+        ...
 
     async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
                    devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]: ...
@@ -46,7 +68,9 @@ class LocalService:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.chooser = engine.chooser
+
+    async def chooser(self) -> KernelChooser:
+        return self.engine.chooser
 
     async def health(self) -> dict[str, Any]:
         e = self.engine
@@ -57,9 +81,8 @@ class LocalService:
     async def kernel_table(self) -> list[dict[str, Any]]:
         return self.engine.kernel_table()
 
-    async def matmul(self, model: Model, info: TensorInfo, x: np.ndarray, kernel: str | Kernel,
-                     scheme: Scheme | None, out: np.ndarray | None = None) -> Answer:
-        return await self.engine.matmul(model, info, x, kernel, scheme, out=out)
+    async def matmul(self, model: Model, checked: Checked, x: np.ndarray) -> Answer:
+        return await self.engine.run(model, checked, x)
 
     async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
                    devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]:

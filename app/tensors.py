@@ -28,15 +28,6 @@ def scheme_of(weight_format: str, blocksize: int, double_quant: bool) -> Scheme 
         raise InvalidRequest(str(exc), "bad_weight_format") from None
 
 
-def scheme_fields(scheme: Scheme | None) -> list | None:
-    """A scheme as the channel between processes carries it (app/ipc.py), and back (`scheme_from`)."""
-    return [scheme.format, scheme.blocksize, scheme.double_quant] if scheme is not None else None
-
-
-def scheme_from(fields: list | None) -> Scheme | None:
-    return Scheme(fields[0], fields[1], fields[2]) if fields else None
-
-
 def effective(info: TensorInfo, scheme: Scheme | None) -> TensorInfo:
     """The tensor as a request multiplies it, once checked that it can be: as stored, or requantized to `scheme`
     (its values, then the scheme's type: every kernel rule reads that type)."""

@@ -23,6 +23,7 @@ class Options(Protocol):
     backend: str
     devices: str | None
     cpu_devices: int
+    cpu_device_first: int
     cpu_cache_bytes: int
     gpu_memory_bytes: int | None
     dependent_launch: bool
@@ -94,7 +95,8 @@ class Devices:
 
 
 def open_devices(settings: Options) -> Devices:
-    found = Devices(cpu=[CpuBackend(settings.cpu_cache_bytes, i) for i in range(settings.cpu_devices)])
+    found = Devices(cpu=[CpuBackend(settings.cpu_cache_bytes, settings.cpu_device_first + i)
+                           for i in range(settings.cpu_devices)])
     if settings.backend not in ("auto", "cuda"):
         return found
     try:

@@ -19,10 +19,17 @@ AUTO_PICKS_KEPT = 65536  # (type, M, N, K) shapes whose auto pick is remembered
 
 
 class KernelChooser:
-    def __init__(self, cuda: Backend | None):
-        """`cuda`: the GPU backend whose kernels may run (all GPUs of a server alike), or None on the CPU."""
+    def __init__(self, cuda: Backend | None, reasons: dict[str, str | None] | None = None):
+        """`cuda`: the GPU backend whose kernels may run (all GPUs of a server alike), or None on the CPU;
+        `reasons`: why each kernel cannot run, as another process's `table()` said (a front's view of its engines:
+        it checks named kernels, and never picks for auto)."""
         self.cuda = cuda
+        self.reasons = reasons
         self._auto: dict[tuple[str, int, int, int], Kernel] = {}
+
+    @classmethod
+    def from_table(cls, rows: list[dict[str, Any]]) -> KernelChooser:
+        return cls(None, {r["name"]: r["reason"] for r in rows})
 
     @property
     def cuda_cc(self) -> int | None:
@@ -30,6 +37,8 @@ class KernelChooser:
 
     def reason(self, kernel: Kernel) -> str | None:
         """Why `kernel` cannot run on this server at all, or None."""
+        if self.reasons is not None:
+            return self.reasons.get(kernel.name, f"{kernel.name} is not served here")
         if kernel.backend == "cuda" and self.cuda is not None:
             return self.cuda.kernel_reason(kernel)
         return kernel.device_reason(self.cuda_cc)

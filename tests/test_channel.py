@@ -1,4 +1,5 @@
-"""The channel between fronts and engines (app/ipc.py) and their shared memory (app/shm.py), without a server."""
+"""The channel between fronts and engines (app/serving/channel.py), the contract of its messages
+(app/serving/contract.py) and their shared memory (app/serving/arenas.py), without a server."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app import ipc, shm
-from app.errors import ApiError
-from app.supervisor import arena_bytes_for
+from app.errors import ApiError, as_http
+from app.serving import arenas as shm
+from app.serving import channel as ipc
+from app.serving import contract
+from app.serving.supervisor import arena_bytes_for
+from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded
+from models.store import FileChanged, NotFound
 
 MiB = 1 << 20
 
@@ -25,70 +30,120 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _echo_server(path: str, delay: float) -> asyncio.AbstractServer:
-    async def handle(msg: dict[str, Any]) -> dict[str, Any]:
-        if msg["op"] == "boom":
-            raise RuntimeError("broken")
-        await asyncio.sleep(delay * msg.get("slow", 0))
-        return {"echo": msg["value"]}
+def _echo(delay: float) -> ipc.OnRequests:
+    """An engine that answers Residency(model) with the model's name after `delay` times the digit after "slow",
+    and with an error of its own for "boom"."""
 
-    return await ipc.serve(path, handle)
+    def on_requests(end: ipc.Framed, requests: list[contract.Request]) -> None:
+        for r in requests:
+            assert isinstance(r, contract.Residency)
+
+            async def one(r: contract.Residency = r) -> None:
+                if r.model == "boom":
+                    end.send(contract.failed(r.id, RuntimeError("broken")))
+                    return
+                await asyncio.sleep(delay * int(r.model[4:] or 0) if r.model.startswith("slow") else 0)
+                end.send(contract.Reply(r.id, r.model))
+
+            asyncio.get_running_loop().create_task(one())
+
+    return on_requests
 
 
 def test_many_calls_in_flight_each_get_their_own_answer(tmp_path: Path) -> None:
-    """Answers come back out of order (the slow ones last) and each finds its caller; a fault of the handler is a
-    500 answer, and the connection keeps serving."""
+    """Answers come back out of order (the slow ones last) and each finds its caller; a fault of the engine's own
+    is an EngineFault (500 at the edge), and the connection keeps serving."""
     path = str(tmp_path / "e.sock")
 
     async def main() -> None:
-        server = await _echo_server(path, delay=0.05)
+        server = await ipc.serve(path, _echo(0.05))
         channel = ipc.Channel(path)
-        values = [{"op": "echo", "value": i, "slow": i % 3} for i in range(200)]
-        answers = await asyncio.gather(*(channel.call(dict(v)) for v in values))
-        assert [a["echo"] for a in answers] == list(range(200))
-        assert (await channel.call({"op": "boom"}))["error"]["status"] == 500
-        assert (await channel.call({"op": "echo", "value": "after"}))["echo"] == "after"
+        names = [f"slow{i % 3}" for i in range(200)]
+        answers = await asyncio.gather(*(channel.call(contract.Residency(model=n)) for n in names))
+        assert [a.value for a in answers] == names
+        assert len({a.id for a in answers}) == 200
+        with pytest.raises(contract.EngineFault, match="broken"):
+            await channel.call(contract.Residency(model="boom"))
+        assert (await channel.call(contract.Residency(model="after"))).value == "after"
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # this user's processes only
         await channel.close()
         server.close()
 
     run(main())
 
 
+@pytest.mark.parametrize("error", [InvalidRequest("K must be 64", "k_mismatch"), Conflict("no", "no_gpu"),
+                                   Overloaded("full"), DeviceOutOfMemory("oom"), NotFound("no tensor 'x'"),
+                                   FileChanged("changed")])
+def test_domain_errors_cross_as_themselves(error: Exception) -> None:
+    """An engine's error reaches the front as the same class, code and message: the HTTP answer is the one a
+    one-process server gives (app/errors.py maps it at the edge)."""
+    body = contract.encode([contract.failed(7, error)])
+    (answer,) = contract.decode_answers(body)
+    again = contract.error_of(answer)  # type: ignore[arg-type]
+    assert type(again) is type(error) and answer.id == 7
+    assert as_http(again) == as_http(error)
+
+
+def test_every_message_round_trips() -> None:
+    messages = [contract.Matmul(1, "demo", ("demo", 1, 2, 3, 4, 5), "t", "auto", ("nf4", 64, True), "seg", 0, 256,
+                                3, 64, 33, False),
+                contract.Load(2, "demo", ["a", "b"], None, None, [0, 1], "split"), contract.Health(3),
+                contract.Unload(4, "demo", None), contract.QuantTimes(5, "demo", "t", [{"a": 1}], [("q8_0", 0, False)],
+                                                                     [1, 8])]
+    assert contract.decode_requests(contract.encode(messages)) == messages
+    answers = [contract.Done(1, "ref_q8_1", "cpu", "q8_1_mmvq", {"gemm": 0.5}, (3, 5, 1), 0.25, ["cpu:0"]),
+               contract.Reply(2, {"x": [1, 2]}), contract.Failed(3, "NotFound", "", "gone")]
+    assert contract.decode_answers(contract.encode(answers)) == answers
+
+
 def test_frames_cut_anywhere_are_put_back_together() -> None:
-    got: list[dict[str, Any]] = []
-    end = ipc.Framed(got.append, lambda: None)
-    data = b"".join(ipc.frame({"i": i, "pad": "x" * i}) for i in range(50))
+    got: list[contract.Request] = []
+    end = ipc.Framed(contract.decode_requests, lambda _, ms: got.extend(ms), lambda: None)
+    frames = []
+    for i in range(50):
+        body = contract.encode([contract.Residency(i, "x" * i)])
+        frames.append(ipc.HEADER.pack(len(body)) + body)
+    data = b"".join(frames)
     for at in range(0, len(data), 7):  # 7 bytes at a time: headers and bodies split everywhere
         end.data_received(data[at:at + 7])
-    assert [m["i"] for m in got] == list(range(50))
+    assert [m.id for m in got] == list(range(50))
 
 
-def test_a_frame_too_large_drops_the_connection() -> None:
-    closed: list[bool] = []
-
+def test_a_frame_too_large_or_garbled_drops_the_connection() -> None:
     class Transport:
+        def __init__(self) -> None:
+            self.closed = False
+
         def close(self) -> None:
-            closed.append(True)
+            self.closed = True
 
         def is_closing(self) -> bool:
-            return bool(closed)
+            return self.closed
 
-    end = ipc.Framed(lambda m: pytest.fail("no message from a broken peer"), lambda: None)
-    end.connection_made(Transport())  # type: ignore[arg-type]
-    end.data_received(ipc.HEADER.pack(ipc.MAX_FRAME + 1) + b"{}")
-    assert closed
+    for data in (ipc.HEADER.pack(ipc.MAX_FRAME + 1) + b"{}", ipc.HEADER.pack(3) + b"\xc1\xc1\xc1"):
+        transport = Transport()
+
+        end = ipc.Framed(contract.decode_requests, lambda *_: pytest.fail("no message from a broken peer"),
+                         lambda: None)
+        end.connection_made(transport)  # type: ignore[arg-type]
+        end.data_received(data)
+        assert transport.closed
 
 
 ENGINE = """
 import asyncio, sys
-from app import ipc
+from app.serving import channel, contract
 
-async def handle(msg):
-    await asyncio.sleep(msg.get("slow", 0))
-    return {"echo": msg["value"]}
+def on_requests(end, requests):
+    for r in requests:
+        async def one(r=r):
+            await asyncio.sleep(30 if r.model == "slow" else 0)
+            end.send(contract.Reply(r.id, r.model))
+        asyncio.get_running_loop().create_task(one())
 
 async def main():
-    await ipc.serve(sys.argv[1], handle)
+    await channel.serve(sys.argv[1], on_requests)
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -106,8 +161,8 @@ def test_calls_fail_at_once_when_the_engine_goes(tmp_path: Path) -> None:
 
         async def main() -> None:
             channel = ipc.Channel(path)
-            assert (await channel.call({"op": "echo", "value": 1}))["echo"] == 1
-            waiting = asyncio.ensure_future(channel.call({"op": "echo", "value": 2, "slow": 30}))
+            assert (await channel.call(contract.Residency(model="one"))).value == "one"
+            waiting = asyncio.ensure_future(channel.call(contract.Residency(model="slow")))
             await asyncio.sleep(0.1)
             engine.kill()
             t0 = time.perf_counter()
@@ -116,7 +171,7 @@ def test_calls_fail_at_once_when_the_engine_goes(tmp_path: Path) -> None:
             assert time.perf_counter() - t0 < 1.0
             os.unlink(path)
             with pytest.raises(ipc.EngineUnavailable):
-                await channel.call({"op": "echo", "value": 3})
+                await channel.call(contract.Residency(model="three"))
 
         run(main())
     finally:
@@ -138,10 +193,11 @@ def test_a_segment_dev_shm_cannot_hold_is_an_error_not_a_crash(monkeypatch: pyte
 
 
 def test_a_front_answers_503_when_no_segment_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from app.remote import RemoteService
+    from app.checks import Checked
+    from app.serving.front import RemoteService
     from models.gguf_index import TensorInfo
 
-    service = RemoteService(str(tmp_path / "none.sock"), tmp_path, "test", 4 * MiB, 8192)
+    service = RemoteService([str(tmp_path / "none.sock")], tmp_path, "test", 4 * MiB)
     service.open()
     try:
         monkeypatch.setattr(os, "posix_fallocate",
@@ -150,7 +206,7 @@ def test_a_front_answers_503_when_no_segment_fits(monkeypatch: pytest.MonkeyPatc
                           n_bytes=4096 * 4352, offset=0)
         x = np.ones((512, 4096), np.float32)  # 8 MiB of X and 8 of Y: more than the 4 MiB arena
         with pytest.raises(ApiError) as caught:
-            run(service.matmul(None, info, x, "auto", None))  # type: ignore[arg-type]
+            run(service.matmul(None, Checked(info, None, info, None), x))  # type: ignore[arg-type]
         assert caught.value.status == 503 and caught.value.code == "no_shared_memory"
         assert caught.value.headers == {"Retry-After": "1"}
     finally:
@@ -175,7 +231,7 @@ def test_serve_refuses_in_one_line_when_dev_shm_is_too_small(monkeypatch: pytest
                                                              caplog: pytest.LogCaptureFixture) -> None:
     import socket
 
-    from app import supervisor
+    from app.serving import supervisor
     from app.settings import Settings
 
     with socket.socket() as s:

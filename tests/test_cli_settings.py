@@ -45,7 +45,7 @@ def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.Monk
 
     import uvicorn
 
-    from app import supervisor
+    from app.serving import supervisor
 
     ran: list[tuple[str, object]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(("uvicorn", kw)))
@@ -188,7 +188,7 @@ def test_serve_writes_the_demo_only_into_the_default_folder_or_when_asked(monkey
 
     import uvicorn
 
-    from app import supervisor
+    from app.serving import supervisor
     from models import demo
 
     written: list[Path] = []

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app import supervisor
+from app.serving import supervisor
 from app.settings import Settings
 from kernels.cpu import CpuBackend
 from kernels.registry import KERNELS

@@ -15,6 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 from numpy.lib import format as npformat
 from pydantic import ValidationError
 
+from app.checks import check_request
 from app.errors import ApiError
 from app.limits import check_api_key
 from app.openapi import error_entry
@@ -30,6 +31,7 @@ from app.schemas import (
 from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 from kernels.requant import WEIGHT_FORMATS, Scheme
+from kernels.select import KernelChooser
 from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
 
 NPY = "application/x-npy"
@@ -199,9 +201,8 @@ async def matmul(request: Request) -> Response:
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str,
                  requant: tuple[str, int, bool] | None = None) -> Response:
     t_request = time.perf_counter()
-    chooser = request.app.state.service.chooser
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
-        kernel_obj = chooser.named(kernel)
+        kernel_obj = KernelChooser.named(kernel)
     ctype = _media(request.headers.get("content-type"))
     if ctype not in (JSON, NPY):
         raise ApiError(415, "unsupported_media_type",
@@ -210,7 +211,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     if ctype == JSON:
         req = parse_json(body) if len(body) <= INLINE_BYTES else await run_in_threadpool(parse_json, body)
         model_id, tensor_name = req.model, req.tensor
-        kernel_obj = req.kernel if req.kernel == "auto" else chooser.named(req.kernel)
+        kernel_obj = req.kernel if req.kernel == "auto" else KernelChooser.named(req.kernel)
         requant = (req.weight_format, req.blocksize, req.double_quant)
     else:
         if not model or not tensor:
@@ -232,8 +233,10 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
             else:
                 x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
                     else await run_in_threadpool(rows_to_array, req.activations)
+        checked = check_request(await state.service.chooser(), info, scheme, x.shape, kernel_obj,
+                                state.settings.max_rows)
         try:
-            answer = await state.service.matmul(mdl, info, x, kernel_obj, scheme)
+            answer = await state.service.matmul(mdl, checked, x)
             break
         except FileChanged:
             if attempt:

@@ -1,25 +1,52 @@
-"""A request's activations checked against the tensor they multiply: shape, then values (finite, and within
-Q8_1's range for the kernels that quantize them).  Each check raises the domain's InvalidRequest."""
+"""Every check a product request needs, in one place that every deployment runs (in process, fronts and
+engines, Ray): `check_request` before anything is queued or copied (the tensor is a matrix that can be multiplied
+as asked, X's shape, the kernel), run by the route wherever it serves; `check_values` (finite, within Q8_1's
+range) and `check_output` by the engine, where the device may have measured max|x| already.  Each raises the
+domain's InvalidRequest."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+from app.tensors import effective
 from kernels.errors import InvalidRequest
 from kernels.formats import format_of
 from kernels.kernel import Kernel
 from kernels.reference import q8_1_overflow
+from kernels.requant import Scheme
+from kernels.select import KernelChooser
 from models.store import TensorInfo
 
 
-def check_shape(x: np.ndarray, info: TensorInfo, max_rows: int) -> None:
-    if x.ndim != 2:
-        raise InvalidRequest(f"activations must be a 2-D [M, K] array; got {x.ndim}-D {list(x.shape)}", "bad_shape")
-    m, k = x.shape
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed `check_request`: the tensor as multiplied and the kernel it names."""
+
+    info: TensorInfo  # as stored
+    scheme: Scheme | None
+    eff: TensorInfo  # as multiplied (the scheme's type)
+    kernel: Kernel | None  # None: auto, picked by the batch's M
+
+
+def check_request(chooser: KernelChooser, info: TensorInfo, scheme: Scheme | None, shape: tuple[int, ...],
+                  kernel: str | Kernel, max_rows: int) -> Checked:
+    """The checks that need no values: `info` can be multiplied (as `scheme` asks), X of `shape` fits it, and a
+    named kernel can run it here."""
+    eff = effective(info, scheme)
+    check_shape(shape, eff, max_rows)
+    spec = None if kernel == "auto" else chooser.choose(kernel, eff.name, eff.type_name, shape[0], *eff.shape)
+    return Checked(info, scheme, eff, spec)
+
+
+def check_shape(shape: tuple[int, ...], info: TensorInfo, max_rows: int) -> None:
+    if len(shape) != 2:
+        raise InvalidRequest(f"activations must be a 2-D [M, K] array; got {len(shape)}-D {list(shape)}", "bad_shape")
+    m, k = shape
     if m < 1 or k < 1:
-        raise InvalidRequest(f"activations must have at least one row and column; got {list(x.shape)}", "bad_shape")
+        raise InvalidRequest(f"activations must have at least one row and column; got {list(shape)}", "bad_shape")
     if m > max_rows:
         raise InvalidRequest(f"M={m} rows exceed the limit of {max_rows} (QGEMM_MAX_ROWS)", "too_many_rows")
     n, kw = info.shape

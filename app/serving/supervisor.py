@@ -1,9 +1,12 @@
-"""`qgemm serve`'s processes: HTTP fronts and an engine, started, watched and restarted here.
+"""`qgemm serve`'s processes: HTTP fronts and an engine per device, started, watched and restarted here.
 
 The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores up to 8) each
 listen on the port (SO_REUSEPORT: the kernel spreads connections over them); each parses and checks requests,
-writes X into its shared-memory arena and asks the engine over a Unix socket.  The engine process owns the devices,
-the weights (one copy whatever the number of fronts) and the batching.  This process only supervises:
+writes X into its shared-memory arena and asks an engine over a Unix socket.  An engine process owns one device
+(each GPU of QGEMM_DEVICES, or each of QGEMM_CPU_DEVICES; QGEMM_ENGINES=one: one engine for all of them), the
+weights it holds (one copy whatever the number of fronts) and its batching: one Python process drives one GPU, so
+a second GPU adds a second process's CPU.  This process only supervises; every child dies with it (the kernel's
+parent-death signal), so a `kill -9` of it leaves nothing serving on the port:
 
 - a front that dies is replaced within a poll (0.1 s) and its shared memory removed; only its in-flight requests
   were lost where the host migrates a closing listener's queue (net.ipv4.tcp_migrate_req = 1: `docker run --sysctl
@@ -20,6 +23,7 @@ The processes' state is kept in `state.json` in the run directory, which the fro
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app import shm
+from app.serving import arenas
 from app.settings import Settings
 
 log = logging.getLogger("qgemm")
@@ -44,6 +48,26 @@ SPAWN = multiprocessing.get_context("spawn")
 
 def default_fronts() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def engine_envs(settings: Settings) -> list[dict[str, str]]:
+    """Each engine process's own settings: one per GPU of QGEMM_DEVICES where CUDA serves, else one per CPU device;
+    a single engine for all of them with QGEMM_ENGINES=one."""
+    if settings.engines == "one":
+        return [{}]
+    gpus: list[int] = []
+    if settings.backend != "cpu":
+        try:
+            from kernels.cuda.backend import cuda_device_count
+            from kernels.devices import parse_devices
+
+            count = cuda_device_count()
+            gpus = parse_devices(settings.devices, count) if count else []
+        except ImportError:  # no CuPy: the CPU serves
+            pass
+    if gpus:
+        return [{"QGEMM_DEVICES": str(d)} for d in gpus]
+    return [{"QGEMM_CPU_DEVICES": "1", "QGEMM_CPU_DEVICE_FIRST": str(i)} for i in range(settings.cpu_devices)]
 
 
 def run_dir_for(settings: Settings) -> Path:
@@ -108,18 +132,32 @@ def queued_connections_migrate() -> bool:
         return False
 
 
-def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_socket: str) -> None:
-    """A front process's main (spawned): this front's settings from `env`, its app's service the engine."""
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to end this process when the supervisor dies (even by kill -9): nothing outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the supervisor's pipe is the only watch
+        pass
+    if os.getppid() == 1:  # the supervisor was already gone before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_sockets: list[str]) -> None:
+    """A front process's main (spawned): this front's settings from `env`, its app's service the engines."""
+    die_with_parent()
     os.environ.update(env)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
     import uvicorn
 
     from app import logs
     from app.main import create_app
-    from app.remote import RemoteService
+    from app.serving.front import RemoteService
 
     settings = Settings.from_env()
-    service = RemoteService(engine_socket, Path(run_dir), instance, settings.front_arena_bytes, settings.max_rows)
+    service = RemoteService(engine_sockets, Path(run_dir), instance, settings.front_arena_bytes)
     app = create_app(settings, service=service)
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_config=logs.config(settings.log_level,
                             settings.log_format), access_log=settings.access_log, timeout_graceful_shutdown=25)
@@ -131,15 +169,17 @@ class Supervisor:
         self.settings = settings
         self.instance = str(settings.port)
         self.run_dir = run_dir_for(settings)
-        self.engine_socket = str(self.run_dir / "engine-0.sock")
+        self.engine_envs = engine_envs(settings)
+        self.engine_sockets = [str(self.run_dir / f"engine-{i}.sock") for i in range(len(self.engine_envs))]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("QGEMM_")} | settings.as_env()
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self.children = [Child("engine", 0)] + [Child("front", i) for i in range(fronts)]
+        self.children = [Child("engine", i) for i in range(len(self.engine_envs))] + \
+            [Child("front", i) for i in range(fronts)]
         self.stopping = False
 
     # -- leftovers and state -----------------------------------------------------------------------
     def clean_leftovers(self) -> None:
-        removed = shm.clean(self.instance)  # segments of processes that are gone (a kill -9 of everything)
+        removed = arenas.clean(self.instance)  # segments of processes that are gone (a kill -9 of everything)
         if removed:
             log.info("removed %d shared-memory segment(s) a killed qgemm left behind", len(removed))
         if self.run_dir.exists():
@@ -156,13 +196,15 @@ class Supervisor:
     # -- processes ---------------------------------------------------------------------------------
     def start(self, child: Child) -> None:
         if child.role == "engine":
-            from app import engine_process
+            from app.serving import engine
 
-            process = SPAWN.Process(target=engine_process.run, args=(self.env, self.engine_socket),
-                                    name="qgemm-engine", daemon=False)
+            process = SPAWN.Process(target=engine.run, args=(self.env | self.engine_envs[child.index],
+                                                             self.engine_sockets[child.index]),
+                                    name=f"qgemm-engine-{child.index}", daemon=False)
         else:
             process = SPAWN.Process(target=run_front, name=f"qgemm-front-{child.index}", daemon=False,
-                                    args=(self.env, child.index, str(self.run_dir), self.instance, self.engine_socket))
+                                    args=(self.env, child.index, str(self.run_dir), self.instance,
+                                          self.engine_sockets))
         process.start()
         child.process, child.started = process, time.monotonic()
         child.state = "starting" if child.restarts == 0 else "restarting"
@@ -194,7 +236,7 @@ class Supervisor:
             try:
                 with socket.socket(socket.AF_UNIX) as s:
                     s.settimeout(0.2)
-                    s.connect(self.engine_socket)
+                    s.connect(self.engine_sockets[child.index])
                 return True
             except OSError:
                 return False
@@ -202,7 +244,7 @@ class Supervisor:
 
     def after_death(self, child: Child) -> None:
         if child.role == "front":
-            shm.clean(self.instance, child.pid)
+            arenas.clean(self.instance, child.pid)
             try:
                 from prometheus_client import multiprocess
 
@@ -218,7 +260,7 @@ class Supervisor:
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
-        fronts, free = len(self.children) - 1, shm.shm_free()
+        fronts, free = len(self.children) - len(self.engine_envs), arenas.shm_free()
         try:
             arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, free)
         except ValueError as exc:
@@ -236,8 +278,8 @@ class Supervisor:
         from app.announce import announce_urls, announce_version
 
         announce_version()
-        log.info("%d HTTP front process(es) and an engine process (this one supervises them)",
-                 len(self.children) - 1)
+        log.info("%d HTTP front process(es) and %d engine process(es) (this one supervises them)",
+                 len(self.children) - len(self.engine_envs), len(self.engine_envs))
         if not queued_connections_migrate():
             log.info("net.ipv4.tcp_migrate_req is not 1 here: a front that dies also resets the connections queued "
                      "on its socket, not only its in-flight requests (docker run --sysctl net.ipv4.tcp_migrate_req=1)")
@@ -278,7 +320,7 @@ class Supervisor:
                     c.process.join()
         for c in self.children:
             for pid in c.pids:
-                shm.clean(self.instance, pid)
+                arenas.clean(self.instance, pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")
         return 0

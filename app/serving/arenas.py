@@ -1,5 +1,5 @@
 """Shared memory between a front process and the engines: the request's activations and the product's output
-travel here, never through the channel (app/ipc.py).
+travel here, never through the channel (app/serving/channel.py).
 
 Each front owns one arena (a POSIX shared-memory segment, `multiprocessing.shared_memory`) cut into slots per
 request: X [M, K] and Y [M, N] float32, side by side.  A request too large for what the arena has free gets a

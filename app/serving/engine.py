@@ -1,0 +1,265 @@
+"""An engine process of `qgemm serve`: it owns its device (a GPU, or the CPU backend), the weights resident there,
+the batching scheduler and the kernels, and answers the front processes over a Unix socket
+(app/serving/channel.py, messages of app/serving/contract.py).  The supervisor starts one per device.
+
+A front writes a request's X into its shared-memory arena (app/serving/arenas.py) and names the slot; the engine
+attaches to that arena once (on a GPU: registered as page-locked memory), multiplies X in place and writes Y into
+the same slot.  The work is done per frame, not per request: every Matmul a read brings is queued at once with the
+device's scheduler (Engine.enqueue: no coroutine, task or future of its own), a batch runs as one product, and the
+answers of a loop turn leave as one frame per front.  A request the front checked (app/checks.py) is not checked
+again: the engine multiplies the file version the front saw (its own store re-reads a file whose version is new
+to it, and answers FileChanged where the front's is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from app.checks import Checked
+from app.metrics import Metrics
+from app.scheduler import Answer
+from app.serving import arenas, channel, contract
+from app.serving.channel import Framed
+from app.serving.contract import Matmul
+from app.settings import Settings
+from app.tensors import effective
+from kernels.errors import Conflict
+from kernels.registry import KERNELS
+from kernels.requant import Scheme
+from models.store import FileChanged, Model, ModelStore
+
+log = logging.getLogger("qgemm")
+HOUSEKEEPING_S = 5.0  # how often the engine lets go of the arenas of fronts that are gone
+TARGETS_KEPT = 4096  # (file version, tensor, weight format, kernel) a request names: checked once each
+
+
+class Segments:
+    """The fronts' arenas this engine has attached, by name; a request's own segment is attached for its product
+    alone.  With `pin` (QGEMM_PIN_ARENAS, on a GPU) an arena is page-locked once, at its first request, and the
+    device copies Y into it by DMA."""
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self.attached: dict[str, tuple[Any, int | None]] = {}
+
+    def buffer(self, name: str, own: bool = False) -> memoryview:
+        hit = self.attached.get(name)
+        if hit is None:
+            segment = arenas.attach(name)
+            ptr = None
+            if self.pin and not own:  # a request's own segment lives for one product: not worth locking
+                from kernels.cuda import host_memory
+
+                ptr = np.frombuffer(segment.buf, np.uint8).ctypes.data
+                host_memory.register(ptr, segment.size)
+            hit = self.attached[name] = (segment, ptr)
+        return hit[0].buf
+
+    def drop(self, name: str) -> None:
+        segment, ptr = self.attached.pop(name, (None, None))
+        if segment is None:
+            return
+        if ptr is not None:
+            from kernels.cuda import host_memory
+
+            host_memory.unregister(ptr)
+        try:
+            segment.close()
+        except BufferError:  # a view of it is still alive somewhere: the mapping goes with the process
+            pass
+
+    def drop_dead(self) -> None:
+        for name in list(self.attached):
+            pid = arenas.owner(name)
+            if pid is None or not arenas.alive(pid):
+                self.drop(name)
+
+
+class EngineServer:
+    def __init__(self, settings: Settings):
+        from app.service import LocalService, open_engine
+
+        self.settings = settings
+        self.metrics = Metrics(engine=True)
+        self.engine, self.store = open_engine(settings, self.metrics)
+        self.service = LocalService(self.engine)
+        self.segments = Segments(pin=settings.pin_arenas and self.engine.cuda is not None)
+        # what a request names (model, file version, tensor, weight format, kernel), resolved once
+        self.targets: dict[tuple, tuple[Model, Checked]] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    # -- the requests of one read ------------------------------------------------------------------------------
+    def on_requests(self, end: Framed, requests: list[contract.Request]) -> None:
+        for r in requests:
+            if type(r) is Matmul:
+                self.matmul(end, r)
+            else:
+                self._spawn(self.control(end, r))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def matmul(self, end: Framed, r: Matmul) -> None:
+        target = self.targets.get((r.model, r.version, r.tensor, r.scheme, r.kernel))
+        if target is None:  # a tensor (or file version) first seen: resolved off this path, then queued
+            self._spawn(self._matmul_first(end, r))
+            return
+        self._enqueue(end, r, target)
+
+    def _enqueue(self, end: Framed, r: Matmul, target: tuple[Model, Checked]) -> None:
+        request_id = r.id
+        try:
+            buf = self.segments.buffer(r.segment, r.own)
+            x = np.ndarray((r.m, r.k), np.float32, buf, r.x)
+            y = np.ndarray((r.m, r.n), np.float32, buf, r.y)
+        except Exception as exc:  # a segment that is gone (its front died): only this request fails
+            self._answer(end, contract.failed(request_id, exc), r)
+            return
+        started = time.perf_counter()
+
+        def done(got: Answer | BaseException) -> None:
+            if isinstance(got, BaseException):
+                self._answer(end, contract.failed(request_id, got), r)
+                return
+            if got.output is not y:  # a backend that gave its own array (the CPU's): into the slot
+                np.copyto(y, got.output)
+            result = got.result
+            timing = {**result.timing_ms, "engine": (time.perf_counter() - started) * 1e3}  # the engine's share
+            b = got.batch
+            self._answer(end, contract.Done(request_id, got.spec.name, result.backend, result.activation_format,
+                                            timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
+                                            got.devices), r)
+
+        self.engine.enqueue(*target, x, y, done)
+
+    def _answer(self, end: Framed, answer: contract.Answer, r: Matmul) -> None:
+        if r.own:
+            self.segments.drop(r.segment)
+        if end.open:
+            end.send(answer)
+
+    async def _matmul_first(self, end: Framed, r: Matmul) -> None:
+        try:
+            target = await self._resolve(r)
+        except Exception as exc:
+            self._answer(end, contract.failed(r.id, exc), r)
+            return
+        self._enqueue(end, r, target)
+
+    async def _resolve(self, r: Matmul) -> tuple[Model, Checked]:
+        """What the request names, as the front checked it: the same file version, or FileChanged (the front
+        reads the file again and retries once)."""
+        model = await self.store.current(r.model)
+        if model.version_key != r.version:
+            raise FileChanged(f"model {r.model!r} changed on disk while the request was on its way")
+        mdl, info = ModelStore.tensor_of(model, r.tensor)
+        scheme = Scheme(*r.scheme) if r.scheme else None
+        target = mdl, Checked(info, scheme, effective(info, scheme), None if r.kernel == "auto" else KERNELS[r.kernel])
+        if len(self.targets) >= TARGETS_KEPT:
+            self.targets.clear()
+        self.targets[(r.model, r.version, r.tensor, r.scheme, r.kernel)] = target
+        return target
+
+    # -- control questions --------------------------------------------------------------------------------------
+    async def control(self, end: Framed, r: contract.Request) -> None:
+        try:
+            answer: contract.Answer = contract.Reply(r.id, await self.answer(r))
+        except Exception as exc:
+            if contract.failed(r.id, exc).error == "internal":
+                log.exception("engine: %s failed", type(r).__name__)
+            answer = contract.failed(r.id, exc)
+        if end.open:
+            end.send(answer)
+
+    async def model(self, model_id: str) -> Model:
+        model = await self.store.current(model_id)
+        if model.status != "ok":
+            raise Conflict(f"model {model_id!r} could not be read: {model.error}", "model_unreadable")
+        return model
+
+    async def answer(self, r: contract.Request) -> Any:
+        s = self.service
+        if isinstance(r, contract.Health | contract.Ping):
+            return await s.health()
+        if isinstance(r, contract.Kernels):
+            return await s.kernel_table()
+        if isinstance(r, contract.MetricsText):
+            return self.metrics.render().decode()
+        if isinstance(r, contract.Residency):
+            return await s.residency(await self.model(r.model))
+        if isinstance(r, contract.Load):
+            model = await self.model(r.model)
+            infos = [model.tensors[name] for name in r.tensors if name in model.tensors]
+            return await s.load(model, infos, r.kernel, Scheme(*r.scheme) if r.scheme else None, r.devices,
+                                r.placement)
+        if isinstance(r, contract.Unload):
+            return await s.unload(await self.store.current(r.model), set(r.tensors) if r.tensors is not None else None)
+        if isinstance(r, contract.QuantTimes):
+            model = await self.model(r.model)
+            rows = r.rows
+            device, timed = await s.quant_times(model, model.tensors[r.tensor], rows,
+                                                [Scheme(*f) for f in r.schemes], r.ms)
+            return {"rows": rows, "device": device, "timed": timed}
+        raise TypeError(f"no such request: {type(r).__name__}")
+
+    async def housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            self.segments.drop_dead()
+
+    def close(self) -> None:
+        for name in list(self.segments.attached):
+            self.segments.drop(name)
+        self.engine.close()
+
+
+def run(env: dict[str, str], socket_path: str) -> None:
+    """The engine process's main (multiprocessing, spawn): the settings come from `env` (the supervisor's, with
+    this engine's device)."""
+    from app.serving.supervisor import die_with_parent
+
+    die_with_parent()
+    os.environ.update(env)
+    settings = Settings.from_env()
+    from app import logs
+
+    logs.setup(settings.log_level, settings.log_format)
+    if settings.gil_switch_us is not None:
+        sys.setswitchinterval(settings.gil_switch_us / 1e6)
+    import uvloop
+
+    uvloop.run(_serve(settings, socket_path))
+
+
+async def _serve(settings: Settings, socket_path: str) -> None:
+    t0 = time.perf_counter()
+    engine = EngineServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server = await channel.serve(socket_path, engine.on_requests)
+    keeper = asyncio.create_task(engine.housekeeping())
+    health = await engine.service.health()
+    log.info("engine process %d: %s, %s, ready in %.1f s on %s", os.getpid(), health["backend"],
+             ", ".join(d["device"] for d in health["devices"]), time.perf_counter() - t0, socket_path)
+    try:
+        await stop.wait()
+    finally:
+        keeper.cancel()
+        server.close()
+        engine.close()
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)

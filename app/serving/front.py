@@ -1,0 +1,193 @@
+"""The routes' Service in a front process of `qgemm serve` (app/service.py's interface): every question goes to the
+engine processes over the channel (app/serving/channel.py, messages of app/serving/contract.py); a product's X is
+written into this front's shared-memory arena (app/serving/arenas.py) and its Y read from there.
+
+There is an engine per device (app/serving/supervisor.py); a product goes to the engine with the fewest of this
+front's requests in flight, ties to the one its tensor hashes to (so a lightly loaded server keeps each tensor on
+one device).  Every engine holds a copy of the weights it multiplied: a tensor is replicated where it is used.  An
+engine that is down answers 503 with Retry-After at once, for the requests in flight on it as for new ones, and
+/healthz says `degraded` until the supervisor has it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from app.checks import Checked
+from app.errors import ApiError
+from app.metrics import merge_exposition
+from app.scheduler import Answer
+from app.serving import arenas, contract
+from app.serving.channel import Channel, EngineUnavailable
+from kernels.errors import InvalidRequest
+from kernels.registry import KERNELS
+from kernels.requant import Scheme
+from kernels.select import KernelChooser
+from kernels.types import Result
+from models.store import Model, TensorInfo
+
+RETRY = {"Retry-After": "1"}
+
+
+def supervisor_state(run_dir: Path) -> dict[str, Any]:
+    """What the supervisor last wrote of its processes (state.json), or nothing where it has not yet."""
+    try:
+        return json.loads((run_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def scheme_fields(scheme: Scheme | None) -> contract.Scheme | None:
+    return (scheme.format, scheme.blocksize, scheme.double_quant) if scheme is not None else None
+
+
+class RemoteService:
+    """app/service.py's Service, answered by the engine processes."""
+
+    def __init__(self, sockets: list[str], run_dir: Path, instance: str, arena_bytes: int):
+        self.channels = [Channel(path) for path in sockets]
+        self.run_dir, self.instance, self.arena_bytes = run_dir, instance, arena_bytes
+        self.arena: arenas.Arena | None = None
+        self._chooser: KernelChooser | None = None
+        self._kernels: list[dict[str, Any]] | None = None
+        self._last_health: dict[str, Any] = {"backend": "cpu", "device": None, "compile_ms": None, "devices": []}
+
+    def open(self) -> None:
+        self.arena = arenas.Arena(self.instance, self.arena_bytes)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    async def _call(self, request: contract.Request, channel: Channel | None = None,
+                    timeout: float | None = None) -> contract.Answer:
+        try:
+            return await (channel or self.channels[0]).call(request, timeout)
+        except EngineUnavailable as exc:
+            raise ApiError(503, "engine_unavailable", f"{exc}; retry after the Retry-After seconds", RETRY) from None
+
+    async def _each(self, make: Any, timeout: float | None = None) -> list[Any]:
+        """`make()`'s request asked of every engine; their Reply values, in engine order."""
+        replies = await asyncio.gather(*(self._call(make(), c, timeout) for c in self.channels))
+        return [r.value for r in replies]
+
+    def _engine_for(self, tensor: str) -> Channel:
+        channels = self.channels
+        if len(channels) == 1:
+            return channels[0]
+        home = zlib.crc32(tensor.encode()) % len(channels)
+        return min(channels, key=lambda c: (c.in_flight, c is not channels[home]))
+
+    # -- the questions ---------------------------------------------------------------------------------------
+    async def chooser(self) -> KernelChooser:
+        if self._chooser is None:
+            self._chooser = KernelChooser.from_table(await self.kernel_table())
+        return self._chooser
+
+    async def health(self) -> dict[str, Any]:
+        state = supervisor_state(self.run_dir)
+        processes = state.get("processes", [])
+        down = any(p["role"] == "engine" and p["state"] != "ok" for p in processes)
+        answers = await asyncio.gather(*(self._call(contract.Health(), c, 2.0) for c in self.channels),
+                                       return_exceptions=True)
+        healths = [a.value for a in answers if isinstance(a, contract.Reply)]
+        if healths:
+            first = healths[0]
+            self._last_health = {**first, "devices": [d for h in healths for d in h["devices"]]}
+        down = down or len(healths) < len(self.channels)
+        return {**self._last_health, "status": "degraded" if down else "ok", "processes": processes}
+
+    async def kernel_table(self) -> list[dict[str, Any]]:
+        if self._kernels is None:
+            self._kernels = (await self._call(contract.Kernels())).value
+        return self._kernels
+
+    async def matmul(self, model: Model, checked: Checked, x: np.ndarray) -> Answer:
+        (m, k), n = x.shape, checked.eff.shape[0]
+        assert self.arena is not None, "the front's arena is made at its start"
+        try:
+            slot = self.arena.slot(m, k, n)
+        except arenas.NoSharedMemory as exc:  # the arena is full and /dev/shm cannot hold a segment of its own
+            raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(slot.x(), x, casting="unsafe")
+        kernel = checked.kernel.name if checked.kernel is not None else "auto"
+        request = contract.Matmul(0, model.id, model.version_key, checked.info.name, kernel,
+                                  scheme_fields(checked.scheme), slot.segment, slot.offset, slot.y_offset, m, k, n,
+                                  slot.own is not None)
+        call = asyncio.ensure_future(self._call(request, self._engine_for(checked.info.name)))
+        try:
+            done = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the client went: the engine may still write Y; the slot waits for it
+            call.add_done_callback(lambda _: self.arena.release(slot))  # type: ignore[union-attr]
+            raise
+        except BaseException:
+            self.arena.release(slot)
+            raise
+        assert isinstance(done, contract.Done)
+        result = Result(None, done.backend, done.activation_format, done.timing)  # type: ignore[arg-type]
+        requests, rows, chunks = done.batch
+        batch = {"requests": requests, "rows": rows, **({"chunks": chunks} if chunks > 1 else {})}
+        return Answer(slot.y(), KERNELS[done.kernel], result, batch, done.queue_ms, done.devices,
+                      release=lambda: self.arena.release(slot))  # type: ignore[union-attr]
+
+    async def _engines_of(self, devices: list[int] | None) -> list[Channel]:
+        """The engines serving `devices` (device numbers as the API names them), or all of them."""
+        if devices is None or len(self.channels) == 1:
+            return self.channels
+        healths = [(await self._call(contract.Health(), c)).value for c in self.channels]
+        labels = [[d["device"] for d in h["devices"] if d["backend"] == h["backend"]] for h in healths]
+        picked = [c for c, held in zip(self.channels, labels, strict=True)
+                  if any(int(label.split(":")[1]) in devices for label in held)]
+        if len(picked) != len(set(devices)):
+            known = ", ".join(label for held in labels for label in held)
+            raise InvalidRequest(f"devices {devices} are not all served here; devices: {known}", "bad_device")
+        return picked
+
+    async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
+                   devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]:
+        engines = await self._engines_of(devices)
+        if len(self.channels) > 1:
+            if placement == "split" and len(engines) > 1:
+                raise InvalidRequest("a tensor is split by rows across the devices of one engine process: this server "
+                                     "runs an engine per device (QGEMM_ENGINES=one serves them from one)",
+                                     "cannot_split")
+            devices, placement = None, None  # each engine loads onto its own device
+        request = {"model": model.id, "tensors": [i.name for i in infos], "kernel": kernel,
+                   "scheme": scheme_fields(scheme), "devices": devices, "placement": placement}
+        replies = await asyncio.gather(*(self._call(contract.Load(**request), c) for c in engines))
+        loaded = [row for r in replies for row in r.value["loaded"]]
+        return {"loaded": loaded, "resident": await self.residency(model)}
+
+    async def unload(self, model: Model, tensors: set[str] | None) -> dict[str, Any]:
+        names = sorted(tensors) if tensors is not None else None
+        freed = await self._each(lambda: contract.Unload(model=model.id, tensors=names))
+        return {"freed_bytes": sum(f["freed_bytes"] for f in freed), "resident": await self.residency(model)}
+
+    async def residency(self, model: Model) -> dict[str, Any]:
+        each = await self._each(lambda: contract.Residency(model=model.id))
+        tensors = [t for r in each for t in r["tensors"]]
+        return {"backend": each[0]["backend"], "n_bytes": sum(t["n_bytes"] for t in tensors), "tensors": tensors,
+                "placements": [p for r in each for p in r["placements"]]}
+
+    async def quant_times(self, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],
+                          ms: list[int]) -> tuple[str | None, bool]:
+        reply = await self._call(contract.QuantTimes(model=model.id, tensor=info.name, rows=rows,
+                                                     schemes=[scheme_fields(s) for s in schemes], ms=ms),
+                                 self._engine_for(info.name))
+        rows[:] = reply.value["rows"]
+        return reply.value["device"], reply.value["timed"]
+
+    async def metrics_text(self) -> str:
+        answers = await asyncio.gather(*(self._call(contract.MetricsText(), c, 2.0) for c in self.channels),
+                                       return_exceptions=True)
+        texts = [a.value for a in answers if isinstance(a, contract.Reply)]
+        return merge_exposition(texts)  # the engines that are down leave the fronts' own metrics
