@@ -249,6 +249,9 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
                       f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
                       f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {row['gpu_share']:.1%}",
                       file=sys.stderr)
+                if row["cpu_us_per_request"]:
+                    print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
+                                                             in row["cpu_us_per_request"].items()), file=sys.stderr)
     text = json.dumps(rows, indent=1)
     if args.out:
         Path(args.out).write_text(text)

@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -99,9 +100,16 @@ def make_client(models_dir: Path, **overrides: object) -> TestClient:
 
 
 @pytest.fixture(scope="session")
-def client(models_dir: Path) -> Iterator[TestClient]:
+def in_process(models_dir: Path) -> Iterator[TestClient]:
+    """The app with its engine in this process (`client`; by this name where a module's `client` walks every
+    deployment, for a test that reaches inside the app)."""
     with make_client(models_dir) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def client(in_process: TestClient) -> TestClient:
+    return in_process
 
 
 RUN_SEED = int(os.environ.get("QGEMM_TEST_SEED") or secrets.randbits(32))
@@ -171,3 +179,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The deployments a request can reach the engine through: the app with its engine in process (TestClient; `qgemm
+# serve --fronts 0` and a Ray replica serve the same app), and `qgemm serve` as a user starts it, an HTTP front
+# and engine processes.  The API, bad-input and file-change tests take `api`, so that a difference between them
+# is a failing test.
+DEPLOYMENTS = ("in-process", "fronts")
+
+
+@pytest.fixture(scope="session")
+def fronts_url(models_dir: Path) -> Iterator[str]:
+    """A `qgemm serve` with one front and an engine process per CPU device (two), over the test models."""
+    from tests.live import Server
+
+    server = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_CPU_DEVICES="2").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session", params=DEPLOYMENTS)
+def api(request: pytest.FixtureRequest, models_dir: Path) -> Iterator[httpx.Client]:
+    """An HTTP client of the API, through each deployment in turn (TestClient is an httpx.Client)."""
+    if request.param == "in-process":
+        yield request.getfixturevalue("in_process")
+    else:
+        with httpx.Client(base_url=request.getfixturevalue("fronts_url"), timeout=120) as c:
+            yield c

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -13,6 +14,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from kernels import reference as ref
 from tests.conftest import SMOL_ID
 from tests.oracles import assert_matches, prepare, reference_product
+
+
+@pytest.fixture
+def client(api: httpx.Client) -> httpx.Client:
+    """Every test here runs through each deployment (conftest.DEPLOYMENTS)."""
+    return api
 
 LARGE = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from models.demo import DEMO_TENSORS
 from tests.conftest import BROKEN, SMOL_ID
+
+
+@pytest.fixture
+def client(api: httpx.Client) -> httpx.Client:
+    """Every test here runs through each deployment (conftest.DEPLOYMENTS)."""
+    return api
 
 
 def test_healthz(client: TestClient) -> None:
@@ -23,7 +31,8 @@ def test_readyz_is_healthz_with_the_status_it_means(client: TestClient) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["version"]
 
 
-def test_readyz_answers_503_while_degraded_and_healthz_200(client: TestClient, monkeypatch) -> None:
+def test_readyz_answers_503_while_degraded_and_healthz_200(in_process: TestClient, monkeypatch) -> None:
+    client = in_process
     service = client.app.state.service
     healthy = service.health
 

@@ -31,7 +31,7 @@ def test_an_unhandled_error_is_a_json_500_and_the_connection_stays_usable(
         def broken(*args: object, **kwargs: object) -> None:
             raise RuntimeError("a bug inside the route")
 
-        monkeypatch.setattr(app.state.engine, "matmul", broken)
+        monkeypatch.setattr(app.state.engine, "run", broken)
         with caplog.at_level(logging.ERROR, logger="qgemm"):
             for rid in ("client-chosen-id-42", None):  # the client's X-Request-Id is kept; else one is made
                 conn.request("POST", "/v1/matmul", BODY, {**HEADERS, **({"X-Request-Id": rid} if rid else {})})

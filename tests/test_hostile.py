@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
@@ -29,6 +30,12 @@ from kernels import reference as ref
 from models.demo import write_gguf
 from models.store import ModelStore
 from tests.conftest import RUN_SEED, make_client
+
+
+@pytest.fixture
+def client(api: httpx.Client) -> httpx.Client:
+    """Every test here runs through each deployment (conftest.DEPLOYMENTS)."""
+    return api
 
 EXAMPLES = int(os.environ.get("QGEMM_HOSTILE_EXAMPLES", "150"))  # per property; more for a deeper search
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,

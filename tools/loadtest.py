@@ -4,8 +4,10 @@ The clients are spread over several processes, each an asyncio (uvloop) loop of 
 connections, one per client, that send one prepared request's bytes again and again and read each
 answer's head and body (`Connection`), so that the load generator is not the bottleneck.  Reported:
 requests/s, client latency p50/p99/max, errors by status, the server's own `request` time and its
-overhead (`request` minus the product's quantize + GEMM, from Server-Timing) and the GPU's share of
-the wall time (quantize + GEMM of each product, shared between the requests batched into it).
+overhead (`request` minus the product's quantize + GEMM, from Server-Timing), the GPU's share of
+the wall time (quantize + GEMM of each product, shared between the requests batched into it), and, when the
+server runs on this machine, the CPU time each of its processes spent over the run per request answered
+(engines and fronts apart: the processes /healthz names, their CPU read from /proc).
 """
 
 from __future__ import annotations
@@ -157,6 +159,38 @@ def _process(plan: Plan, n: int, start_at: float, counter: Any, out: Any) -> Non
     out.put(asyncio.run(_clients(plan, n, start_at, counter)))
 
 
+def server_processes(url: str, api_key: str | None = None) -> list[tuple[str, int]]:
+    """(role, pid) of each process of the server at `url`, as its /healthz names them (none where one process
+    serves)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
+            health = json.loads(r.read())
+    except (OSError, ValueError):
+        return []
+    return [(p["role"], p["pid"]) for p in health.get("processes") or [] if p.get("pid")]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process of this machine, or None where /proc does not show it."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(procs: list[tuple[str, int]]) -> dict[str, float] | None:
+    seconds: dict[str, float] = {}
+    for role, pid in procs:
+        t = cpu_seconds(pid)
+        if t is None:
+            return None
+        seconds[role] = seconds.get(role, 0.0) + t
+    return seconds or None
+
+
 def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict[str, Any]:
     processes = max(1, min(plan.clients, processes or max(1, (os.cpu_count() or 2) // 2)))
     shares = [plan.clients // processes + (i < plan.clients % processes) for i in range(processes)]
@@ -166,12 +200,16 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
     procs = [ctx.Process(target=_process, args=(plan, n, start_at, counter, out)) for n in shares]
     for p in procs:
         p.start()
+    server = server_processes(plan.url, plan.api_key)
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu_before = cpu_by_role(server)
     while time.time() < start_at + plan.seconds:
         time.sleep(1.0)
         if progress and time.time() > start_at:
             elapsed = time.time() - start_at
             print(f"\r  {elapsed:5.1f}/{plan.seconds:.0f} s  {counter.value} requests "
                   f"({counter.value / max(elapsed, 1e-9):,.0f}/s)", end="", file=sys.stderr, flush=True)
+    cpu_after = cpu_by_role(server)
     parts = [out.get() for _ in procs]
     for p in procs:
         p.join()
@@ -185,6 +223,9 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
         for k, v in p["errors"].items():
             errors[k] = errors.get(k, 0) + v
     ok = len(lat)
+    cpu_us = None
+    if cpu_before and cpu_after and ok:  # CPU µs each role spent per request answered
+        cpu_us = {role: round((cpu_after[role] - cpu_before[role]) / ok * 1e6, 1) for role in cpu_before}
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return round(float(np.percentile(a, q)), 3) if len(a) else None
@@ -194,4 +235,5 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
             "errors": errors, "requests_per_s": round(ok / plan.seconds, 1),
             "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": round(float(lat.max()), 3) if ok else None,
             "server_request_p50_ms": pct(server, 50), "server_overhead_p50_ms": pct(overhead, 50),
-            "gpu_share": round(sum(p["gpu_ms"] for p in parts) / (plan.seconds * 1e3), 4)}
+            "gpu_share": round(sum(p["gpu_ms"] for p in parts) / (plan.seconds * 1e3), 4),
+            "cpu_us_per_request": cpu_us}

@@ -196,7 +196,7 @@ class EngineServer:
         if isinstance(r, contract.MetricsText):
             return self.metrics.render().decode()
         if isinstance(r, contract.Residency):
-            return await s.residency(await self.model(r.model))
+            return await s.residency(await self.store.current(r.model))  # a broken file holds nothing: no error
         if isinstance(r, contract.Load):
             model = await self.model(r.model)
             infos = [model.tensors[name] for name in r.tensors if name in model.tensors]
