@@ -39,8 +39,8 @@ from kernels.select import KernelChooser
 from kernels.types import Result
 from models.store import Model, TensorInfo
 
-# A lone product (nothing queued) up to this M on resident weights launches from the event loop (Engine._poll):
-# no thread round trip.  Under load the worker thread runs batches while the loop reads requests.
+# A product (a lone request or a batch) up to this M on resident weights launches from the event loop and is polled
+# (Engine._poll): no thread round trip, no GIL handed between two threads.  Larger ones run on the device's thread.
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
@@ -315,7 +315,7 @@ class Engine:
         if spec.backend != worker.kind:  # auto fell back to the other backend: its first device runs it
             worker = self.pools[spec.backend][0]
         worker.products += 1
-        if alone and rows <= LOOP_ROWS:
+        if rows <= LOOP_ROWS:
             inflight = worker.backend.launch_inline(spec, w, parts, outs)
             if inflight is not None:
                 return spec, await self._poll(inflight)

@@ -36,9 +36,14 @@ R = TypeVar("R")
 # outputs of at least this many values are checked for NaN/inf on the device (a reduction of microseconds)
 # rather than by the engine on the host (a pass over the output on the event loop: 10 ms at 15M values)
 FINITE_ON_DEVICE = 1 << 18
-# products of more than this many activation values report each part's max|x|, measured on the device: the
-# engine then checks X's values from it instead of by two passes over X on the host (Engine.check_values)
+# products with a part of more than this many activation values report each part's max|x|, measured on the device:
+# the engine then checks X's values from it instead of by two passes over X on the host (Engine.check_values);
+# smaller parts the engine checked on the host already
 X_AMAX_ON_DEVICE = 1 << 16
+# a part's rows of Y are copied by the device straight into the caller's (pinned) array from this size; smaller ones
+# come back in one download of the whole product and are copied on the host (a DMA call per part costs more CPU
+# than copying its few KiB: a batch of 64 single rows spent 10% of an engine's time in those calls, H100 machine)
+DIRECT_OUT_BYTES = 1 << 20
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
 _row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
@@ -80,6 +85,7 @@ class Pending:
     finite_h: np.ndarray | None = None  # the device's "every output value is finite", for large outputs
     amax_h: np.ndarray | None = None  # max|x| per row, measured on the device, for products of large X
     part_rows: tuple[int, ...] = ()  # rows of each part, to give each its own max|x|
+    outs: Outs = None  # where each part's rows go from the staging buffer (small parts: `finish` copies them)
 
 
 def cuda_device_count() -> int:
@@ -293,7 +299,8 @@ class CudaBackend:
         for p in parts:  # the one host copy: request rows straight into pinned memory
             copy_in(x_h[row:row + p.shape[0]], p)
             row += p.shape[0]
-        direct = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
+        given = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
+        direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
         y_h = None if direct else self.staging.array("y", (m, n), np.float32)
         ev = self.events
         with self.stream as s:
@@ -314,7 +321,7 @@ class CudaBackend:
             spec.launch(self.modules, w.type_name, arrays, acts, y_d, m, n, k)  # type: ignore[attr-defined]
             ev[3].record(s)
             finite_h = amax_h = None
-            if m * k > X_AMAX_ON_DEVICE:
+            if max(p.shape[0] for p in parts) * k > X_AMAX_ON_DEVICE:
                 amax_h = self.staging.array("amax", (m,), np.float32)
                 _row_amax(x_d, axis=1).get(stream=s, out=amax_h, blocking=False)
             if m * n >= FINITE_ON_DEVICE:
@@ -328,7 +335,8 @@ class CudaBackend:
                 written.record(s)
                 self.writing = [(e, o) for e, o in self.writing if not e.done] + [(written, outs)]  # type: ignore[list-item]
             ev[4].record(s)
-        return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h, amax_h, tuple(p.shape[0] for p in parts))
+        return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h, amax_h, tuple(p.shape[0] for p in parts),
+                       outs if given and not direct else None)
 
     def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
@@ -337,7 +345,14 @@ class CudaBackend:
         if keep_q8_1 and pending.layout.quantized:
             with self._device, self.stream:
                 q8_1 = pending.layout.to_host(pending.acts, pending.m, pending.k)
-        y = None if pending.y_h is None else pending.y_h.copy()  # the staging buffer is the next product's
+        y = None
+        if pending.outs is not None:  # each part's rows into its caller's array
+            row = 0
+            for rows, out in zip(pending.part_rows, pending.outs, strict=True):
+                out[...] = pending.y_h[row:row + rows]  # type: ignore[index]
+                row += rows
+        elif pending.y_h is not None:
+            y = pending.y_h.copy()  # the staging buffer is the next product's
         t = [cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) for i in range(4)]
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": pending.weights_ms + sum(t)}
