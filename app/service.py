@@ -85,10 +85,12 @@ class LocalService:
         return await self.engine.run(model, checked, x)
 
     async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
-                   devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]:
+                   devices: list[int] | None, placement: Literal["replicate", "split"] | None,
+                   alone: bool = True) -> dict[str, Any]:
+        """`alone` False: this engine is one of a server's several (an engine process per device)."""
         e = self.engine
         backend = e.backend
-        if e.cuda is None and len(e.pools["cpu"]) == 1:
+        if e.cuda is None and len(e.pools["cpu"]) == 1 and alone:
             raise Conflict(f"this server runs on the CPU backend ({e.cuda_error}); nothing to load", "no_gpu")
         pool = [e.worker_named(backend, d) for d in devices] if devices else None
         if pool is not None and len(set(pool)) != len(pool):

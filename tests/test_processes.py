@@ -252,3 +252,61 @@ def test_sigterm_drains_and_exits_0_and_leaves_no_shared_memory(models_dir: Path
 def test_state_file_names_each_process(server: Server) -> None:
     state = json.loads((Path(f"/tmp/qgemm-{os.getuid()}-{server.port}") / "state.json").read_text())
     assert {p["role"] for p in state["processes"]} == {"engine", "front"}
+
+
+def test_nothing_outlives_a_killed_supervisor_and_the_port_is_free(models_dir: Path) -> None:
+    """kill -9 of `qgemm serve` itself: its fronts and engines exit within 2 s (the kernel's parent-death signal), so
+    nothing answers on the port and the next start binds it."""
+    s = Server(models_dir, fronts=2, QGEMM_CPU_DEVICES="2").start()
+    children = s.pids("front") + s.pids("engine")
+    assert len(children) == 4
+    assert s.proc is not None
+    s.proc.kill()
+    s.proc.wait()
+
+    def running(pid: int) -> bool:  # a zombie has exited: it waits only for whoever adopted it to reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and any(running(pid) for pid in children):
+        time.sleep(0.05)
+    assert not [pid for pid in children if running(pid)]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{s.url}/healthz", timeout=2)
+    again = Server(models_dir, fronts=1)
+    again.port, again.url = s.port, s.url
+    again.start()
+    try:
+        assert again.health()["status"] == "ok"
+    finally:
+        again.stop()
+
+
+def test_an_engine_per_device_each_on_its_own(models_dir: Path) -> None:
+    """QGEMM_CPU_DEVICES=2: two engine processes, one device each; /healthz lists both devices, products go to
+    either, residency and unload cover both, and a split across engines is refused with the setting that allows it."""
+    s = Server(models_dir, fronts=1, QGEMM_CPU_DEVICES="2").start()
+    try:
+        h = s.health()
+        assert [d["device"] for d in h["devices"]] == ["cpu:0", "cpu:1"] and len(s.pids("engine")) == 2
+        body = {"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.25] * 64]}
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            answers = [c.post("/v1/matmul", json=body) for _ in range(8)]
+            assert {r.status_code for r in answers} == {200}
+            assert len({tuple(r.json()["output"][0]) for r in answers}) == 1  # the same product on either device
+            loaded = c.post("/v1/models/demo/load", json={"tensors": ["tiny.q8_0.weight"]})
+            assert loaded.status_code == 200, loaded.text
+            held = {t["device"] for t in loaded.json()["resident"]["tensors"] if t["tensor"] == "tiny.q8_0.weight"}
+            assert held == {"cpu:0", "cpu:1"}  # replicated: each engine holds its copy
+            split = c.post("/v1/models/demo/load", json={"tensors": ["tiny.q8_0.weight"], "placement": "split"})
+            assert split.status_code == 422 and split.json()["error"]["code"] == "cannot_split"
+            assert "QGEMM_ENGINES=one" in split.json()["error"]["message"]
+            one = c.post("/v1/models/demo/load", json={"tensors": ["tiny.q4_1.weight"], "devices": [1]})
+            assert one.status_code == 200 and {r["device"] for r in one.json()["loaded"]} == {"cpu:1"}
+            freed = c.post("/v1/models/demo/unload", json={})
+            assert freed.status_code == 200 and freed.json()["resident"]["tensors"] == []
+    finally:
+        assert s.stop() == 0

@@ -71,6 +71,7 @@ class Load(Message, tag=6):
     scheme: Scheme | None = None
     devices: list[int] | None = None
     placement: Literal["replicate", "split"] | None = None
+    alone: bool = True  # the server's only engine (a CPU backend of one device then has nothing to load)
 
 
 class Unload(Message, tag=7):

@@ -201,7 +201,7 @@ class EngineServer:
             model = await self.model(r.model)
             infos = [model.tensors[name] for name in r.tensors if name in model.tensors]
             return await s.load(model, infos, r.kernel, Scheme(*r.scheme) if r.scheme else None, r.devices,
-                                r.placement)
+                                r.placement, r.alone)
         if isinstance(r, contract.Unload):
             return await s.unload(await self.store.current(r.model), set(r.tensors) if r.tensors is not None else None)
         if isinstance(r, contract.QuantTimes):

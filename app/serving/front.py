@@ -162,7 +162,8 @@ class RemoteService:
                                      "cannot_split")
             devices, placement = None, None  # each engine loads onto its own device
         request = {"model": model.id, "tensors": [i.name for i in infos], "kernel": kernel,
-                   "scheme": scheme_fields(scheme), "devices": devices, "placement": placement}
+                   "scheme": scheme_fields(scheme), "devices": devices, "placement": placement,
+                   "alone": len(self.channels) == 1}
         replies = await asyncio.gather(*(self._call(contract.Load(**request), c) for c in engines))
         loaded = [row for r in replies for row in r.value["loaded"]]
         return {"loaded": loaded, "resident": await self.residency(model)}
