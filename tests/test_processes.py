@@ -257,7 +257,7 @@ def test_state_file_names_each_process(server: Server) -> None:
 def test_nothing_outlives_a_killed_supervisor_and_the_port_is_free(models_dir: Path) -> None:
     """kill -9 of `qgemm serve` itself: its fronts and engines exit within 2 s (the kernel's parent-death signal), so
     nothing answers on the port and the next start binds it."""
-    s = Server(models_dir, fronts=2, QGEMM_CPU_DEVICES="2").start()
+    s = Server(models_dir, fronts=2, QGEMM_BACKEND="cpu", QGEMM_CPU_DEVICES="2").start()
     children = s.pids("front") + s.pids("engine")
     assert len(children) == 4
     assert s.proc is not None
@@ -288,7 +288,7 @@ def test_nothing_outlives_a_killed_supervisor_and_the_port_is_free(models_dir: P
 def test_an_engine_per_device_each_on_its_own(models_dir: Path) -> None:
     """QGEMM_CPU_DEVICES=2: two engine processes, one device each; /healthz lists both devices, products go to
     either, residency and unload cover both, and a split across engines is refused with the setting that allows it."""
-    s = Server(models_dir, fronts=1, QGEMM_CPU_DEVICES="2").start()
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_CPU_DEVICES="2").start()
     try:
         h = s.health()
         assert [d["device"] for d in h["devices"]] == ["cpu:0", "cpu:1"] and len(s.pids("engine")) == 2
