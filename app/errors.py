@@ -64,15 +64,22 @@ def as_http(exc: BaseException) -> tuple[int, str, str, dict[str, str] | None] |
     return None
 
 
+MAPPED = (ApiError, QgemmError, FileChanged, NotFound)  # the errors answered as themselves (as_http)
+
+
+def mapped_response(exc: Exception) -> JSONResponse:
+    return error_response(*as_http(exc))  # type: ignore[misc]
+
+
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                413: "body_too_large", 415: "unsupported_media_type", 422: "unprocessable", 503: "unavailable"}
 
 
 def install(app: FastAPI) -> None:
     async def _mapped(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(*as_http(exc))  # type: ignore[misc]
+        return mapped_response(exc)
 
-    for kind in (ApiError, QgemmError, FileChanged):
+    for kind in MAPPED:
         app.add_exception_handler(kind, _mapped)
 
     @app.exception_handler(StarletteHTTPException)

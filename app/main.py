@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.routing import Route
 
-from app import __version__, errors, openapi, web
+from app import __version__, errors, hot_path, openapi, web
 from app.announce import announce_urls, announce_version
 from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
@@ -88,4 +88,5 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
     app.add_middleware(errors.Unhandled)  # innermost of ours: the metrics count its 500s
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics, templates=lambda: list(app.openapi()["paths"]))
+    hot_path.install(app, metrics, settings.max_body_bytes)  # POST /v1/matmul around all of the above
     return app
