@@ -310,3 +310,21 @@ def test_an_engine_per_device_each_on_its_own(models_dir: Path) -> None:
             assert freed.status_code == 200 and freed.json()["resident"]["tensors"] == []
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.parametrize("fronts", [2, 4])
+def test_a_front_killed_under_load_never_takes_the_engine_down(models_dir: Path, fronts: int) -> None:
+    """kill -9 of a front while its requests are in the engine: the engine lets go of that front's arena only once
+    those products are done (it was unmapped under them: SIGSEGV), so it serves on with the same pid, twice over."""
+    s = Server(models_dir, fronts=fronts, QGEMM_BACKEND="cpu").start()
+    try:
+        engine = s.pids("engine")
+        for _ in range(2):
+            victim = s.pids("front")[0]
+            counts = _load(s, 2.0, 8, lambda v=victim: os.kill(v, signal.SIGKILL))
+            assert counts[200] > 0, counts
+            s.wait_ok(10)
+        assert s.pids("engine") == engine  # never restarted
+        assert s.post(np.ones((1, K), np.float32)).status_code == 200
+    finally:
+        assert s.stop() == 0

@@ -182,14 +182,16 @@ def peer_uid(transport: asyncio.BaseTransport) -> int | None:
 OnRequests = Callable[[Framed, list[Request]], None]
 
 
-async def serve(path: str, on_requests: OnRequests) -> asyncio.AbstractServer:
+async def serve(path: str, on_requests: OnRequests,
+                on_lost: Callable[[Framed], None] | None = None) -> asyncio.AbstractServer:
     """An engine's side: `on_requests(end, requests)` gets every request of one read at once and answers each with
-    `end.send` (the answers of one loop turn leave as one frame).  Only processes of this user may connect."""
+    `end.send` (the answers of one loop turn leave as one frame); `on_lost(end)` when a connection closes.  Only
+    processes of this user may connect."""
     loop = asyncio.get_running_loop()
     uid = os.getuid()
 
     def connection() -> Framed:
-        end = Framed(contract.decode_requests, on_requests, lambda: None)
+        end = Framed(contract.decode_requests, on_requests, lambda: on_lost(end) if on_lost is not None else None)
         made = end.connection_made
 
         def checked(transport: asyncio.BaseTransport) -> None:

@@ -42,15 +42,21 @@ TARGETS_KEPT = 4096  # (file version, tensor, weight format, kernel) a request n
 
 
 class Segments:
-    """The fronts' arenas this engine has attached, by name; a request's own segment is attached for its product
-    alone.  With `pin` (QGEMM_PIN_ARENAS, on a GPU) an arena is page-locked once, at its first request, and the
-    device copies Y into it by DMA."""
+    """The fronts' arenas this engine has attached, by name, each with the requests in flight in it; a request's own
+    segment is attached for its product alone.  A segment is unmapped only once no request uses it: a front that
+    dies fails its own requests, and the products still writing into its arena finish into memory that stays
+    mapped until they are done.  With `pin` (QGEMM_PIN_ARENAS, on a GPU) an arena is page-locked once, at its first
+    request, and the device copies Y into it by DMA."""
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = pin
         self.attached: dict[str, tuple[Any, int | None]] = {}
+        self.in_flight: dict[str, int] = {}
+        self.doomed: set[str] = set()  # owner gone: unmapped when its last request is done
+        self.users: dict[object, set[str]] = {}  # each front's connection: the arenas its requests named
 
-    def buffer(self, name: str, own: bool = False) -> memoryview:
+    def take(self, name: str, own: bool = False, user: object = None) -> memoryview:
+        """The segment's buffer, counted in use until `give`; `user`: the connection that named it."""
         hit = self.attached.get(name)
         if hit is None:
             segment = arenas.attach(name)
@@ -61,9 +67,34 @@ class Segments:
                 ptr = np.frombuffer(segment.buf, np.uint8).ctypes.data
                 host_memory.register(ptr, segment.size)
             hit = self.attached[name] = (segment, ptr)
+            if not own:
+                self.users.setdefault(user, set()).add(name)
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
         return hit[0].buf
 
+    def lost(self, user: object) -> None:
+        """A front's connection closed (the front died, or stops): its arenas go once their requests are done."""
+        for name in self.users.pop(user, ()):
+            self.let_go(name)
+
+    def let_go(self, name: str) -> None:
+        if self.in_flight.get(name):
+            self.doomed.add(name)
+        else:
+            self.drop(name)
+
+    def give(self, name: str, own: bool = False) -> None:
+        """A request in `name` is done; a segment of its own, or one whose owner is gone, goes with its last."""
+        left = self.in_flight.get(name, 1) - 1
+        if left > 0:
+            self.in_flight[name] = left
+            return
+        self.in_flight.pop(name, None)
+        if own or name in self.doomed:
+            self.drop(name)
+
     def drop(self, name: str) -> None:
+        self.doomed.discard(name)
         segment, ptr = self.attached.pop(name, (None, None))
         if segment is None:
             return
@@ -77,10 +108,11 @@ class Segments:
             pass
 
     def drop_dead(self) -> None:
+        """Let go of the arenas of fronts that are gone: now where no request uses them, else after the last."""
         for name in list(self.attached):
             pid = arenas.owner(name)
             if pid is None or not arenas.alive(pid):
-                self.drop(name)
+                self.let_go(name)
 
 
 class EngineServer:
@@ -119,10 +151,15 @@ class EngineServer:
     def _enqueue(self, end: Framed, r: Matmul, target: tuple[Model, Checked]) -> None:
         request_id = r.id
         try:
-            buf = self.segments.buffer(r.segment, r.own)
+            buf = self.segments.take(r.segment, r.own, end)
+        except Exception as exc:  # a segment that is gone (its front died): only this request fails
+            if end.open:
+                end.send(contract.failed(request_id, exc))
+            return
+        try:
             x = np.ndarray((r.m, r.k), np.float32, buf, r.x)
             y = np.ndarray((r.m, r.n), np.float32, buf, r.y)
-        except Exception as exc:  # a segment that is gone (its front died): only this request fails
+        except Exception as exc:  # offsets outside the segment: a broken front
             self._answer(end, contract.failed(request_id, exc), r)
             return
         started = time.perf_counter()
@@ -143,8 +180,7 @@ class EngineServer:
         self.engine.enqueue(*target, x, y, done)
 
     def _answer(self, end: Framed, answer: contract.Answer, r: Matmul) -> None:
-        if r.own:
-            self.segments.drop(r.segment)
+        self.segments.give(r.segment, r.own)
         if end.open:
             end.send(answer)
 
@@ -152,7 +188,8 @@ class EngineServer:
         try:
             target = await self._resolve(r)
         except Exception as exc:
-            self._answer(end, contract.failed(r.id, exc), r)
+            if end.open:  # nothing of the request's segment was taken yet
+                end.send(contract.failed(r.id, exc))
             return
         self._enqueue(end, r, target)
 
@@ -250,7 +287,7 @@ async def _serve(settings: Settings, socket_path: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     if os.path.exists(socket_path):
         os.unlink(socket_path)
-    server = await channel.serve(socket_path, engine.on_requests)
+    server = await channel.serve(socket_path, engine.on_requests, engine.segments.lost)
     keeper = asyncio.create_task(engine.housekeeping())
     health = await engine.service.health()
     log.info("engine process %d: %s, %s, ready in %.1f s on %s", os.getpid(), health["backend"],
