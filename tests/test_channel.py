@@ -243,3 +243,19 @@ def test_serve_refuses_in_one_line_when_dev_shm_is_too_small(monkeypatch: pytest
         assert supervisor.Supervisor(settings, 8).run() == 2
     assert "--shm-size" in caplog.text
     assert not supervisor.run_dir_for(settings).exists()  # nothing started, nothing left
+
+
+def test_segment_names_cannot_be_guessed_and_a_taken_one_is_avoided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user who creates the name a front would take next gets nothing: the front takes another name."""
+    import secrets
+
+    names = iter(["aaaaaaaaaaaa", "bbbbbbbbbbbb"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
+    squatted = shm.SHM_DIR / f"qgemm-test-{os.getpid()}-0aaaaaaaaaaaa"
+    squatted.write_bytes(b"\0" * 4096)
+    try:
+        arena = shm.Arena("test", 1 * MiB)
+        assert arena.name == f"qgemm-test-{os.getpid()}-1bbbbbbbbbbbb" and shm.owner(arena.name) == os.getpid()
+        arena.close()
+    finally:
+        squatted.unlink()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -28,7 +29,9 @@ SHM_DIR = Path("/dev/shm")
 
 
 def segment_name(instance: str, pid: int, n: int) -> str:
-    return f"{PREFIX}-{instance}-{pid}-{n}"
+    """A segment's name: the instance and the pid that owns it (what `clean` removes by), then a number and a random
+    part, so that no other user can guess a name and squat it."""
+    return f"{PREFIX}-{instance}-{pid}-{n}{secrets.token_hex(6)}"
 
 
 def _untracked(shm: SharedMemory) -> SharedMemory:
@@ -148,12 +151,19 @@ class Arena:
     def __init__(self, instance: str, nbytes: int):
         self.instance, self.size = instance, _aligned(nbytes)
         self._names = itertools.count()
-        self.shm = create(self._next_name(), self.size)
+        self.shm = self._create(self.size)
         self.name = self.shm.name.lstrip("/")
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), sorted by offset
 
-    def _next_name(self) -> str:
-        return segment_name(self.instance, os.getpid(), next(self._names))
+    def _create(self, nbytes: int) -> SharedMemory:
+        """A new segment of this front's, under a fresh name (another where one is taken)."""
+        for attempt in range(3):
+            try:
+                return create(segment_name(self.instance, os.getpid(), next(self._names)), nbytes)
+            except FileExistsError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def slot(self, m: int, k: int, n: int) -> Slot:
         need = slot_bytes(m, k, n)
@@ -164,7 +174,7 @@ class Arena:
                 else:
                     self._free[i] = (off + need, size - need)
                 return Slot(self.name, off, need, m, k, n, self.shm.buf)
-        own = create(self._next_name(), need)  # too large for what is free: a segment of its own
+        own = self._create(need)  # too large for what is free: a segment of its own
         return Slot(own.name.lstrip("/"), 0, need, m, k, n, own.buf, own)
 
     def release(self, slot: Slot) -> None:
