@@ -242,7 +242,7 @@ def test_serve_refuses_in_one_line_when_dev_shm_is_too_small(monkeypatch: pytest
     with caplog.at_level("ERROR", logger="qgemm"):
         assert supervisor.Supervisor(settings, 8).run() == 2
     assert "--shm-size" in caplog.text
-    assert not supervisor.run_dir_for(settings).exists()  # nothing started, nothing left
+    assert not list(supervisor.run_base().glob(supervisor.run_dir_prefix(port) + "*"))  # nothing started or left
 
 
 def test_segment_names_cannot_be_guessed_and_a_taken_one_is_avoided(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -28,8 +32,12 @@ from kernels.types import Weights
 from models.demo import ensure_demo
 from models.store import ModelStore
 from tests.conftest import CACHE_DIR, populate_models_dir
-from tests.live import BACKEND, TENSOR, K, Server
+from tests.live import BACKEND, ROOT, TENSOR, K, Server
 from tests.live import npy as _npy
+
+
+def _run_dirs(port: int) -> list[Path]:
+    return list(supervisor.run_base().glob(supervisor.run_dir_prefix(port) + "*"))
 
 
 def _segments(port: int) -> list[str]:
@@ -246,11 +254,13 @@ def test_sigterm_drains_and_exits_0_and_leaves_no_shared_memory(models_dir: Path
         t.join()
     assert results and set(results) <= {200}, results  # the requests in flight were answered
     assert _segments(s.port) == []
-    assert not Path(f"/tmp/qgemm-{os.getuid()}-{s.port}").exists()
+    assert not _run_dirs(s.port)
 
 
 def test_state_file_names_each_process(server: Server) -> None:
-    state = json.loads((Path(f"/tmp/qgemm-{os.getuid()}-{server.port}") / "state.json").read_text())
+    (run_dir,) = _run_dirs(server.port)
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700  # private: another user can neither read nor plant
+    state = json.loads((run_dir / "state.json").read_text())
     assert {p["role"] for p in state["processes"]} == {"engine", "front"}
 
 
@@ -328,3 +338,36 @@ def test_a_front_killed_under_load_never_takes_the_engine_down(models_dir: Path,
         assert s.post(np.ones((1, K), np.float32)).status_code == 200
     finally:
         assert s.stop() == 0
+
+
+def test_a_second_start_on_a_taken_port_says_so_and_exits_2(server: Server) -> None:
+    second = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--port", str(server.port)], env=server.env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "served by another qgemm serve" in second.stderr
+    assert server.health()["status"] == "ok"  # the first one serves on, its run directory untouched
+
+
+def test_a_run_directory_planted_or_removed_is_never_used(models_dir: Path) -> None:
+    """What another user (or a /tmp cleaner) does to the run directories: a directory planted under the old fixed
+    name, or a link under the new prefix, is not used; the run directory deleted under a running server is made
+    again, and SIGTERM still stops everything."""
+    s = Server(models_dir, fronts=1)
+    planted = Path(tempfile.gettempdir()) / f"qgemm-{os.getuid()}-{s.port}"
+    planted.mkdir(mode=0o755)
+    target = Path(tempfile.mkdtemp())
+    link = supervisor.run_base() / (supervisor.run_dir_prefix(s.port) + "link")
+    link.symlink_to(target)
+    try:
+        s.start()
+        assert not (planted / "state.json").exists() and not list(target.iterdir())
+        (run_dir,) = [d for d in _run_dirs(s.port) if not d.is_symlink()]
+        shutil.rmtree(run_dir)
+        time.sleep(0.5)
+        assert (run_dir / "state.json").exists()  # made again
+        os.kill(s.pids("front")[0], signal.SIGKILL)
+        s.wait_ok(10)  # the watch goes on: the front is back
+    finally:
+        assert s.stop() == 0
+        planted.rmdir()
+        link.unlink(missing_ok=True)
+        shutil.rmtree(target, ignore_errors=True)

@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -70,8 +71,50 @@ def engine_envs(settings: Settings) -> list[dict[str, str]]:
     return [{"QGEMM_CPU_DEVICES": "1", "QGEMM_CPU_DEVICE_FIRST": str(i)} for i in range(settings.cpu_devices)]
 
 
-def run_dir_for(settings: Settings) -> Path:
-    return Path(tempfile.gettempdir()) / f"qgemm-{os.getuid()}-{settings.port}"
+def port_lock(port: int) -> socket.socket | None:
+    """An abstract Unix socket named for the port, held while this server runs (None: another holds it).  A second
+    `qgemm serve` on the port finds it taken; the kernel lets go of it when the holder dies, so nothing stale stays."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(f"\0qgemm-serve-{port}")
+    except OSError:
+        lock.close()
+        return None
+    return lock
+
+
+def run_base() -> Path:
+    """Where run directories go: $XDG_RUNTIME_DIR where it is this user's own, else the temporary directory."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        try:
+            st = os.lstat(runtime)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+                return Path(runtime)
+        except OSError:
+            pass
+    return Path(tempfile.gettempdir())
+
+
+def run_dir_prefix(port: int) -> str:
+    return f"qgemm-{os.getuid()}-{port}-"
+
+
+def private_run_dir(port: int) -> Path:
+    """A new run directory only this user can enter (mkdtemp: mode 0700, a random name nobody can create first).
+    What an earlier start on this port left (a kill -9) is removed first: this user's own directories only, no link
+    followed."""
+    base = run_base()
+    for old in base.glob(run_dir_prefix(port) + "*"):
+        try:
+            st = os.lstat(old)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(old, ignore_errors=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=run_dir_prefix(port), dir=base))
+    (run_dir / "metrics").mkdir(mode=0o700)
+    return run_dir
 
 
 @dataclass
@@ -168,9 +211,9 @@ class Supervisor:
     def __init__(self, settings: Settings, fronts: int):
         self.settings = settings
         self.instance = str(settings.port)
-        self.run_dir = run_dir_for(settings)
+        self.run_dir = Path()  # made by `run`, once the port is ours
         self.engine_envs = engine_envs(settings)
-        self.engine_sockets = [str(self.run_dir / f"engine-{i}.sock") for i in range(len(self.engine_envs))]
+        self.engine_sockets: list[str] = []
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("QGEMM_")} | settings.as_env()
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.children = [Child("engine", i) for i in range(len(self.engine_envs))] + \
@@ -182,16 +225,27 @@ class Supervisor:
         removed = arenas.clean(self.instance)  # segments of processes that are gone (a kill -9 of everything)
         if removed:
             log.info("removed %d shared-memory segment(s) a killed qgemm left behind", len(removed))
-        if self.run_dir.exists():
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self.run_dir = private_run_dir(self.settings.port)
+        self.engine_sockets = [str(self.run_dir / f"engine-{i}.sock") for i in range(len(self.engine_envs))]
 
     def write_state(self) -> None:
-        state = {"pid": os.getpid(), "processes": [{"role": c.role, "index": c.index, "pid": c.pid,
-                                                     "state": c.state} for c in self.children]}
-        tmp = self.run_dir / ".state.json.part"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.run_dir / "state.json")
+        """state.json for the fronts' /healthz; a run directory that vanished (a /tmp cleaner) is made again."""
+        state = json.dumps({"pid": os.getpid(), "processes": [{"role": c.role, "index": c.index, "pid": c.pid,
+                                                                "state": c.state} for c in self.children]})
+        for attempt in (0, 1):
+            try:
+                fd = os.open(self.run_dir / ".state.json.part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                             0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(state)
+                os.replace(self.run_dir / ".state.json.part", self.run_dir / "state.json")
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                log.warning("the run directory %s vanished: made again", self.run_dir)
+                (self.run_dir / "metrics").mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(self.run_dir, 0o700)
 
     # -- processes ---------------------------------------------------------------------------------
     def start(self, child: Child) -> None:
@@ -229,6 +283,12 @@ class Supervisor:
                 child.state = "ok"
                 changed = True
                 log.info("%s %d ready (pid %d)", child.role, child.index, child.pid)
+            elif child.role == "engine" and child.state == "ok" and not os.path.exists(
+                    self.engine_sockets[child.index]):  # its socket went with the run directory: no front reaches it
+                log.warning("engine %d's socket is gone: starting it again", child.index)
+                process.terminate()
+                child.state = "restarting"
+                changed = True
         return changed
 
     def is_up(self, child: Child) -> bool:
@@ -254,12 +314,17 @@ class Supervisor:
 
     # -- the whole -----------------------------------------------------------------------------------
     def run(self) -> int:
-        self.clean_leftovers()
+        self.lock = port_lock(self.settings.port)
+        if self.lock is None:
+            log.error("port %d is served by another qgemm serve already: stop it first, or choose another --port",
+                      self.settings.port)
+            return 2
         try:  # the port is ours to share (a process listening there without SO_REUSEPORT refuses this)
             listen(self.settings.host, self.settings.port).close()
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
+        self.clean_leftovers()
         fronts, free = len(self.children) - len(self.engine_envs), arenas.shm_free()
         try:
             arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, free)
@@ -288,8 +353,11 @@ class Supervisor:
         announce_urls(self.settings)
         self.write_state()
         while not self.stopping:
-            if self.check():
-                self.write_state()
+            try:
+                if self.check() or not os.path.exists(self.run_dir / "state.json"):  # (a /tmp cleaner took it)
+                    self.write_state()
+            except Exception:  # the watch goes on whatever one turn of it met
+                log.exception("supervisor: a turn of the watch failed")
             time.sleep(POLL_S)
         return self.shutdown()
 
