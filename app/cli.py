@@ -63,8 +63,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         return serve_on_ray(settings, args.replicas)
     if settings.fronts == 0:  # one process: HTTP and the engine together
         # uvloop and httptools: the fastest event loop and HTTP parser uvicorn has (both are dependencies)
+        from app.edge import bounded_http
+
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                    loop="uvloop", http="httptools", access_log=settings.access_log,
+                    loop="uvloop", access_log=settings.access_log,
+                    http=bounded_http(settings.max_request_head_bytes, settings.request_read_timeout_s),
                     log_config=logs.config(settings.log_level, settings.log_format))
         return 0
     from app.serving import supervisor

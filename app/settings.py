@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line")
     access_log: bool = Field(False, description="uvicorn's line per request (it costs more than a small product)")
     max_body_bytes: int = Field(256 * MiB, gt=0, description="largest request body")
+    max_request_head_bytes: int = Field(64 << 10, ge=1024, description="largest request line and headers of an HTTP "
+                                                                     "request (431 past it)")
+    request_read_timeout_s: float = Field(30.0, gt=0, description="seconds of silence while a request's head or body "
+                                                                  "is being read (or before a new connection sends "
+                                                                  "anything) after which it is answered 408 and closed")
     max_rows: int = Field(8192, gt=0, description="largest M of one request")
     max_header_bytes: int = Field(64 * MiB, gt=0, description="largest GGUF header read (it is parsed into Python "
                                                               "objects, ~20x its size); larger: listed as an error")

@@ -196,14 +196,17 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
     import uvicorn
 
     from app import logs
+    from app.edge import bounded_http
     from app.main import create_app
     from app.serving.front import RemoteService
 
     settings = Settings.from_env()
     service = RemoteService(engine_sockets, Path(run_dir), instance, settings.front_arena_bytes)
     app = create_app(settings, service=service)
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", log_config=logs.config(settings.log_level,
-                            settings.log_format), access_log=settings.access_log, timeout_graceful_shutdown=25)
+    config = uvicorn.Config(app, loop="uvloop", http=bounded_http(settings.max_request_head_bytes,
+                                                                  settings.request_read_timeout_s),
+                            log_config=logs.config(settings.log_level, settings.log_format),
+                            access_log=settings.access_log, timeout_graceful_shutdown=25)
     uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])
 
 

@@ -1,0 +1,115 @@
+"""The HTTP connection's bounds, before any request reaches the app: uvicorn's httptools protocol with a cap on a
+request's head (request line and headers: 431 past `max_request_head_bytes`) and a deadline on reading it and its
+body (408 when a connection sends nothing for `request_read_timeout_s`: a partial request line, unfinished headers,
+a promised body that does not come, a connection that never sends a byte).  uvicorn has neither for httptools: a
+128 MB header froze a front for 20 s, and connections that never finish a request stayed open until the front ran
+out of file descriptors.  Once a request is whole, no deadline runs: a long product is the app's to time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.errors import error_body
+
+
+def _answer(status: int, reason: str, code: str, message: str) -> bytes:
+    body = json.dumps(error_body(code, message)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+class BoundedHttp(HttpToolsProtocol):
+    head_limit = 64 << 10
+    read_timeout_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._reading = False  # a head or a body is being read: data resets the deadline
+
+    # -- the deadline --------------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.read_timeout_s, self._expired)
+        self._reading = True
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._reading = False
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(_answer(408, "Request Timeout", "request_timeout",
+                                         f"the request was not sent within {self.read_timeout_s:g} s of silence "
+                                         "(QGEMM_REQUEST_READ_TIMEOUT_S)"))
+        self.transport.close()
+
+    def _refuse_head(self) -> None:
+        self._disarm()
+        self.transport.write(_answer(431, "Request Header Fields Too Large", "headers_too_large",
+                                     f"the request line and headers are over {self.head_limit} bytes "
+                                     "(QGEMM_MAX_REQUEST_HEAD_BYTES)"))
+        self.transport.close()
+
+    # -- uvicorn's protocol ----------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a request
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.head_limit and not self._head_done_in(data):
+                self._refuse_head()
+                return
+        if self._reading:
+            self._arm()  # progress: the silence starts again
+        super().data_received(data)
+
+    def _head_done_in(self, data: bytes) -> bool:
+        """Whether the head ends within the limit (a small head and its body arrived in one read)."""
+        end = data.find(b"\r\n\r\n")
+        return end >= 0 and self._head_bytes - len(data) + end + 4 <= self.head_limit
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        body = self.parser.get_method() not in (b"GET", b"HEAD") and any(
+            name in (b"content-length", b"transfer-encoding") and value not in (b"0",) for name, value in self.headers)
+        if body:
+            self._arm()
+        else:
+            self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_head, self._head_bytes = True, 0  # what comes next is the next request's head
+        super().on_message_complete()
+
+
+def bounded_http(head_limit: int, read_timeout_s: float) -> type[BoundedHttp]:
+    """The protocol class uvicorn takes (`http=`), with these bounds."""
+    return type("BoundedHttp", (BoundedHttp,), {"head_limit": head_limit, "read_timeout_s": read_timeout_s})

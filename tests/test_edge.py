@@ -1,0 +1,96 @@
+"""The HTTP connection's bounds (app/edge.py) on `qgemm serve` as a user starts it: a head over the cap is 431, a
+connection silent while a request is read is 408 and closed, a slow but steady body is served, and the server
+serves on after each."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.live import Server, npy
+
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path) -> Iterator[Server]:
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_REQUEST_READ_TIMEOUT_S=str(TIMEOUT_S)).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _exchange(server: Server, parts: list[bytes], pause: float = 0.0, wait: float = 10.0) -> tuple[int | None, dict,
+                                                                                                      float]:
+    """Send `parts` (`pause` s apart) on a fresh connection; (status, JSON body, seconds until the server closed)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        t0 = time.monotonic()
+        for i, part in enumerate(parts):
+            if i and pause:
+                time.sleep(pause)
+            try:
+                sock.sendall(part)
+            except OSError:  # the server answered and closed meanwhile
+                break
+        sock.settimeout(wait)
+        data = b""
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        took = time.monotonic() - t0
+    if not data:
+        return None, {}, took
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body.startswith(b"{") else {}, took
+
+
+def _still_serves(server: Server) -> None:
+    assert server.post(np.ones((1, 4096), np.float32)).status_code == 200
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/matmul HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",  # one 1 MiB header
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(10_000)) + b"\r\n",
+    b"GET /" + b"a" * (200 << 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a request line of 200 KiB
+], ids=["big-header", "many-headers", "long-url"])
+def test_a_head_over_the_cap_is_431_at_once(server: Server, head: bytes) -> None:
+    status, body, took = _exchange(server, [head])
+    assert status == 431 and body["error"]["code"] == "headers_too_large" and took < 5
+    _still_serves(server)
+
+
+@pytest.mark.parametrize("parts", [
+    [],  # a connection that never sends a byte
+    [b"POST /v1/mat"],  # a partial request line
+    [b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n"],  # headers never finished
+    [b"POST /v1/matmul?model=demo&tensor=tiny.q4_0.weight HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+     b"Content-Length: 1000\r\n\r\n" + b"\x93NUMPY"],  # a promised body that stops
+], ids=["silent", "partial-line", "partial-headers", "partial-body"])
+def test_a_request_that_stops_is_408_and_closed(server: Server, parts: list[bytes]) -> None:
+    status, body, took = _exchange(server, parts)
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    assert TIMEOUT_S * 0.8 < took < TIMEOUT_S + 3
+    _still_serves(server)
+
+
+def test_a_slow_but_steady_body_is_served(server: Server) -> None:
+    """The deadline is on silence, not on the whole body: a body sent in pieces 0.6 s apart (each within the 1 s)."""
+    body = npy(np.full((1, 64), 0.25, np.float32))
+    head = (b"POST /v1/matmul?model=demo&tensor=tiny.q4_0.weight HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/x-npy\r\nContent-Length: %d\r\n\r\n" % len(body))
+    pieces = [head, *(body[i:i + 40] for i in range(0, len(body), 40))]
+    status, answer, took = _exchange(server, pieces, pause=0.6)
+    assert status == 200 and answer["shape"] == [1, 33] and took > 0.6 * (len(pieces) - 1)
