@@ -51,7 +51,9 @@ class ProcessState(BaseModel):
     role: Literal["front", "engine"]
     index: int
     pid: int | None
-    state: Literal["ok", "starting", "restarting", "stopping"]
+    state: Literal["ok", "starting", "restarting", "stopping", "unresponsive"] = Field(
+        description="unresponsive: an engine that has not answered the supervisor's ping for 2 s (it is killed and "
+                    "started again at QGEMM_ENGINE_DEADLINE_S)")
 
 
 class Health(BaseModel):

@@ -58,6 +58,9 @@ class Settings(BaseSettings):
                                                        "into chunks of this many")
     batch_wait_us: int = Field(100, ge=0, description="after a product, when others queue, how long to take in "
                                                       "more requests before the next; 0 turns batching off")
+    engine_deadline_s: float = Field(10.0, gt=0, description="seconds an engine process may leave the supervisor's "
+                                                             "ping unanswered before it is killed and started again "
+                                                             "(its waiting requests answered 503)")
     max_queue: int = Field(1024, gt=0, description="requests waiting for one device beyond which a new one is "
                                                    "refused (503 with Retry-After) rather than queued")
     gil_switch_us: int | None = Field(None, gt=0, description="Python's thread switch interval (default 5000)")

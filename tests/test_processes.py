@@ -371,3 +371,48 @@ def test_a_run_directory_planted_or_removed_is_never_used(models_dir: Path) -> N
         planted.rmdir()
         link.unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
+
+
+def test_a_hung_engine_is_killed_at_its_deadline_and_started_again(models_dir: Path) -> None:
+    """SIGSTOP of the engine: /healthz says degraded and /readyz 503 within seconds, the requests waiting on it are
+    answered 503 with Retry-After once QGEMM_ENGINE_DEADLINE_S passes (the watchdog kills it), and a new engine
+    serves."""
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_ENGINE_DEADLINE_S="3").start()
+    try:
+        (engine,) = s.pids("engine")
+        os.kill(engine, signal.SIGSTOP)
+        t0 = time.monotonic()
+        outcome: dict[str, object] = {}
+
+        def waiting() -> None:
+            r = s.post(np.ones((1, K), np.float32))
+            outcome["status"], outcome["retry"], outcome["took"] = r.status_code, r.headers.get("retry-after"), \
+                time.monotonic() - t0
+
+        t = threading.Thread(target=waiting)
+        t.start()
+        time.sleep(2.5)
+        h = httpx.get(f"{s.url}/healthz", timeout=5)
+        assert h.json().get("status") == "degraded", h.text
+        assert httpx.get(f"{s.url}/readyz", timeout=5).status_code == 503
+        t.join(15)
+        assert outcome["status"] == 503 and outcome["retry"] == "1" and 3.0 <= outcome["took"] < 8.0, outcome
+        assert s.wait_ok(30) < 30 and s.pids("engine") != [engine]
+        assert s.post(np.ones((1, K), np.float32)).status_code == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_during_a_hang_answers_json_and_exits_1(models_dir: Path) -> None:
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_ENGINE_DEADLINE_S="60").start()
+    (engine,) = s.pids("engine")
+    os.kill(engine, signal.SIGSTOP)
+    answers: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: answers.append(s.post(np.ones((1, K), np.float32))))
+    t.start()
+    time.sleep(3.5)  # its ping is unanswered for more than 2 s
+    t0 = time.monotonic()
+    assert s.stop() == 1  # it had to kill
+    t.join(10)
+    assert time.monotonic() - t0 < 10
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_unavailable"

@@ -133,6 +133,8 @@ class EngineServer:
         for r in requests:
             if type(r) is Matmul:
                 self.matmul(end, r)
+            elif type(r) is contract.Ping:  # the supervisor's watchdog: answered by the loop turn itself
+                end.send(contract.Reply(r.id, None))
             else:
                 self._spawn(self.control(end, r))
 

@@ -38,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.serving import arenas
+from app.serving import arenas, contract
 from app.settings import Settings
 
 log = logging.getLogger("qgemm")
 POLL_S = 0.1
+PING_S = 1.0  # how often the supervisor pings each engine
+UNRESPONSIVE_S = 2.0  # a ping unanswered this long: the engine is reported unresponsive (/healthz degraded)
 STOP_GRACE_S = 30.0  # how long fronts may take to finish their requests on SIGTERM
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -117,6 +119,52 @@ def private_run_dir(port: int) -> Path:
     return run_dir
 
 
+class Watch:
+    """The supervisor's ping of one engine over its socket: a Ping every PING_S, its Reply read without blocking.  An
+    engine whose loop does not turn (a hang, SIGSTOP, a product stuck in a driver call) answers nothing."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock: socket.socket | None = None
+        self.sent: float | None = None  # when the unanswered ping left
+        self.last_sent = 0.0
+        self.buf = b""
+
+    def overdue(self, now: float) -> float:
+        """Seconds the engine has left a ping unanswered (0: none outstanding)."""
+        return 0.0 if self.sent is None else now - self.sent
+
+    def turn(self, now: float) -> None:
+        try:
+            if self.sock is None:
+                self.sock = socket.socket(socket.AF_UNIX)
+                self.sock.settimeout(0.2)
+                self.sock.connect(self.path)
+                self.sock.setblocking(False)
+            if self.sent is not None:
+                try:
+                    data = self.sock.recv(1 << 16)
+                except BlockingIOError:
+                    data = None
+                if data == b"":
+                    raise ConnectionError("the engine closed the watch")
+                if data:
+                    self.buf += data
+                    if len(self.buf) >= 4 and len(self.buf) >= 4 + int.from_bytes(self.buf[:4], "little"):
+                        self.buf, self.sent = b"", None  # answered (the one ping outstanding)
+            if self.sent is None and now - self.last_sent >= PING_S:
+                body = contract.encode([contract.Ping(1)])
+                self.sock.send(len(body).to_bytes(4, "little") + body)
+                self.sent = self.last_sent = now
+        except OSError:  # not up yet, or gone: the process watch handles that
+            self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self.sent, self.buf = None, None, b""
+
+
 @dataclass
 class Child:
     role: str  # "front" or "engine"
@@ -126,6 +174,7 @@ class Child:
     started: float = 0.0
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
+    watch: Watch | None = None  # an engine's ping
 
     @property
     def pid(self) -> int | None:
@@ -276,23 +325,50 @@ class Supervisor:
                 log.warning("%s %d (pid %d) exited with %s; starting it again", child.role, child.index, process.pid,
                             process.exitcode)
                 self.after_death(child)
+                if child.watch is not None:
+                    child.watch.close()
+                    child.watch = None
                 child.restarts += 1
                 child.state = "restarting"
                 changed = True
                 if time.monotonic() - child.started < 1.0:  # dying at once: do not spin
                     time.sleep(min(5.0, 0.2 * child.restarts))
                 self.start(child)
-            elif child.state != "ok" and self.is_up(child):
+            elif child.state in ("starting", "restarting") and self.is_up(child):
                 child.state = "ok"
                 changed = True
                 log.info("%s %d ready (pid %d)", child.role, child.index, child.pid)
-            elif child.role == "engine" and child.state == "ok" and not os.path.exists(
+            elif child.role == "engine" and child.state in ("ok", "unresponsive"):
+                changed |= self.watch(child)
+            if child.role == "engine" and child.state == "ok" and not os.path.exists(
                     self.engine_sockets[child.index]):  # its socket went with the run directory: no front reaches it
                 log.warning("engine %d's socket is gone: starting it again", child.index)
                 process.terminate()
                 child.state = "restarting"
                 changed = True
         return changed
+
+    def watch(self, child: Child) -> bool:
+        """Ping an engine that is up: unresponsive past UNRESPONSIVE_S, killed (and so started again, its waiting
+        requests answered 503 at once) past QGEMM_ENGINE_DEADLINE_S.  True if its state changed."""
+        if child.watch is None:
+            child.watch = Watch(self.engine_sockets[child.index])
+        now = time.monotonic()
+        child.watch.turn(now)
+        late = child.watch.overdue(now)
+        if late > self.settings.engine_deadline_s:
+            log.error("engine %d (pid %d) has not answered for %.0f s (QGEMM_ENGINE_DEADLINE_S): killing it",
+                      child.index, child.pid, late)
+            child.process.kill()
+            child.watch.close()
+            child.state = "restarting"
+            return True
+        state = "unresponsive" if late > UNRESPONSIVE_S else "ok"
+        if state != child.state:
+            log.warning("engine %d is %s", child.index, state if state == "ok" else f"unresponsive ({late:.0f} s)")
+            child.state = state
+            return True
+        return False
 
     def is_up(self, child: Child) -> bool:
         if child.role == "engine":
@@ -368,7 +444,15 @@ class Supervisor:
         self.stopping = True
 
     def shutdown(self) -> int:
+        """0 once everything stopped by itself; 1 where a process had to be killed."""
+        forced = False
         log.info("stopping: the fronts finish their requests, then the engine stops")
+        for c in self.children:  # a hung engine would hold the fronts' requests to their grace's end: killed first
+            late = c.watch.overdue(time.monotonic()) if c.watch is not None else 0.0
+            if c.role == "engine" and late > UNRESPONSIVE_S and c.process.is_alive():
+                log.error("engine %d does not answer: killing it (its requests are answered 503)", c.index)
+                c.process.kill()
+                forced = True
         fronts = [c for c in self.children if c.role == "front"]
         for child in self.children:
             child.state = "stopping"
@@ -381,6 +465,7 @@ class Supervisor:
             c.process.join(max(0.1, deadline - time.monotonic()))
             if c.process.is_alive():
                 c.process.kill()
+                forced = True
                 c.process.join()
         for c in self.children:
             if c.role == "engine" and c.process.is_alive():
@@ -388,13 +473,16 @@ class Supervisor:
                 c.process.join(10)
                 if c.process.is_alive():
                     c.process.kill()
+                    forced = True
                     c.process.join()
         for c in self.children:
             for pid in c.pids:
                 arenas.clean(self.instance, pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")
-        return 0
+        if forced:
+            log.warning("stopped, after killing what did not stop in time")
+        return 1 if forced else 0
 
 
 def serve(settings: Settings) -> int:
