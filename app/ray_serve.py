@@ -95,7 +95,8 @@ def build_asgi() -> FastAPI:
     """Built on each replica (Serve calls it there): the app from the replica's QGEMM_* environment."""
     global _app
     _app = create_app(Settings.from_env())
-    _app.add_middleware(Multiplexed)
+    build = _app.build_middleware_stack  # Multiplexed outside everything, POST /v1/matmul's short way in too
+    _app.build_middleware_stack = lambda: Multiplexed(build())  # type: ignore[method-assign]
     return _app
 
 
