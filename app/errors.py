@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded, QgemmError
@@ -127,6 +128,8 @@ class Unhandled:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:  # the client went away mid-request: nobody to answer, nothing went wrong here
+            scope.setdefault("state", {})["client_gone"] = True
         except Exception as exc:
             rid = request_id(scope)
             log.error("unhandled error in %s %s (request id %s)", scope.get("method"), scope.get("path"), rid,

@@ -78,15 +78,31 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+def same_origin(origin: str, request: Request) -> bool:
+    """Whether `origin` (scheme://host[:port]) is this server as the request reached it (its Host header)."""
+    host = request.headers.get("host", "")
+    return origin.split("://", 1)[-1].rstrip("/").lower() == host.lower()
+
+
 async def require_api_key(request: Request) -> None:
     """Dependency of every /v1 route (async: a sync dependency costs a thread hop per request)."""
     check_api_key(request)
 
 
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
 def check_api_key(request: Request) -> None:
-    """`Authorization: Bearer <QGEMM_API_KEY>` when a key is set."""
+    """`Authorization: Bearer <QGEMM_API_KEY>` when a key is set.  Without a key, a request that changes something
+    from a page of another site is refused (403): a browser names the page's origin, and a cross-site form or fetch
+    would otherwise unload models or run products on a server of localhost."""
     key = request.app.state.settings.api_key
     if key is None:
+        origin = request.headers.get("origin")
+        if origin is not None and request.method not in SAFE_METHODS and not same_origin(origin, request):
+            raise ApiError(403, "cross_origin", f"a {request.method} from the page of {origin!r} is refused: only "
+                                                "this server's own pages, or clients that send no Origin, may change "
+                                                "its state (or set QGEMM_API_KEY)")
         return
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")

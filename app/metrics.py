@@ -127,6 +127,8 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_status)
         finally:
+            if scope.get("state", {}).get("client_gone"):
+                status = 499  # the client closed the connection before its answer (nginx's code): not a server fault
             template = self.template(scope["path"])
             self.metrics.requests.labels(template, scope["method"], str(status)).inc()
             self.metrics.latency.labels(template).observe(time.perf_counter() - t0)

@@ -27,6 +27,8 @@ WHY = {
          "was read, retry).",
     413: "The body is over QGEMM_MAX_BODY_BYTES (`body_too_large`).",
     415: "Content-Type is neither application/json nor application/x-npy (`unsupported_media_type`).",
+    403: "Refused from a page of another site (`cross_origin`): without QGEMM_API_KEY a request that changes "
+         "something is taken only from this server's own pages or from clients that send no Origin header.",
     422: "Well formed, but it cannot be computed with this tensor on this server: shape (`bad_shape`, "
          "`k_mismatch`, `too_many_rows`), values (`non_finite`, `activation_out_of_range`, `product_out_of_range`), "
          "`bad_dtype`, `unsupported_tensor`, `unknown_kernel`, `kernel_cannot_run`, `bad_weight_format`, "
@@ -74,11 +76,13 @@ def install(app: FastAPI, api_key_set: bool) -> None:
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         _add_matmul(doc)
         for path, ops in doc.get("paths", {}).items():
-            for op in ops.values():
+            for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 if "422" in responses and _is_fastapi_validation(responses["422"]):
                     del responses["422"]
-                statuses = GUARDS + ((401,) if api_key_set and path.startswith("/v1/") else ())
+                unsafe = method.upper() not in ("GET", "HEAD", "OPTIONS")
+                statuses = GUARDS + ((401,) if api_key_set and path.startswith("/v1/") else ()) + \
+                    ((403,) if not api_key_set and path.startswith("/v1/") and unsafe else ())
                 for status in statuses:
                     responses.setdefault(str(status), error_entry(status))
                 if api_key_set and path.startswith("/v1/"):

@@ -139,3 +139,18 @@ def test_kernels_lists_auto_and_the_reference(client: TestClient) -> None:
     for k in ks.values():
         assert set(k) == {"name", "weight_types", "activation_format", "backend", "available", "reason", "description"}
         assert k["available"] or k["reason"]
+
+
+def test_a_cross_site_page_cannot_change_state_without_a_key(client) -> None:
+    """A bodyless POST from another site's page (its browser names that Origin) is refused; this server's own pages
+    and clients that send no Origin are served; reading is open."""
+    evil = {"Origin": "http://evil.example"}
+    r = client.post("/v1/models/demo/unload", headers=evil)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin"
+    r = client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[0.5] * 64]},
+                    headers=evil)
+    assert r.status_code == 403
+    host = client.base_url.netloc.decode()
+    assert client.post("/v1/models/demo/unload", headers={"Origin": f"http://{host}"}).status_code == 200
+    assert client.post("/v1/models/demo/unload").status_code == 200
+    assert client.get("/v1/models", headers=evil).status_code == 200

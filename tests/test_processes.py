@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -416,3 +417,21 @@ def test_sigterm_during_a_hang_answers_json_and_exits_1(models_dir: Path) -> Non
     t.join(10)
     assert time.monotonic() - t0 < 10
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_unavailable"
+
+
+def test_a_client_that_leaves_mid_body_is_counted_apart_from_5xx(server: Server) -> None:
+    def matmul_count(status: str) -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(
+            f'qgemm_http_requests_total{{method="POST",route="/v1/matmul",status="{status}"}}'))
+
+    before = matmul_count("500"), matmul_count("499")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/matmul?model=demo&tensor=tiny.q4_0.weight HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/x-npy\r\nContent-Length: 100000\r\n\r\n\x93NUMPY")
+            time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and matmul_count("499") < before[1] + 3:
+        time.sleep(0.1)
+    assert matmul_count("499") == before[1] + 3 and matmul_count("500") == before[0]
