@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     request_read_timeout_s: float = Field(30.0, gt=0, description="seconds of silence while a request's head or body "
                                                                   "is being read (or before a new connection sends "
                                                                   "anything) after which it is answered 408 and closed")
+    max_json_body_bytes: int = Field(8 * MiB, gt=0, description="largest JSON body of POST /v1/matmul (parsed, JSON "
+                                                               "numbers take tens of times their text: larger X goes "
+                                                               "as .npy, up to max_body_bytes)")
     max_rows: int = Field(8192, gt=0, description="largest M of one request")
     max_header_bytes: int = Field(64 * MiB, gt=0, description="largest GGUF header read (it is parsed into Python "
                                                               "objects, ~20x its size); larger: listed as an error")

@@ -301,3 +301,16 @@ def test_server_keeps_serving_after_errors(client: TestClient) -> None:
         _raw(client, b'{"model": "demo", "tensor": "tiny.q4_0.weight", "activations": [[NaN]]}')
     assert client.get("/healthz").status_code == 200
     assert _post(client)[0] == 200
+
+
+def test_a_json_body_over_its_limit_is_413_before_it_is_parsed(client) -> None:
+    """JSON numbers take tens of times their text while parsed: past QGEMM_MAX_JSON_BODY_BYTES (8 MiB) the answer
+    says to send .npy, whatever the body holds (here 9 MiB of a wrong K, which would parse first otherwise)."""
+    row = "[" + ",".join(["0.123456789"] * 4095) + "]"
+    body = ('{"model": "demo", "tensor": "blk.0.attn_q.weight", "activations": [' +
+            ",".join([row] * (9 * (1 << 20) // len(row) + 1)) + "]}").encode()
+    r = client.post("/v1/matmul", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large" and ".npy" in r.json()["error"][
+        "message"]
+    assert client.post("/v1/matmul", json={"model": "demo", "tensor": "tiny.q4_0.weight",
+                                           "activations": [[0.5] * 64]}).status_code == 200

@@ -57,6 +57,13 @@ def parse_json(body: bytes) -> MatmulRequest:
         raise ApiError(400, "bad_request", "; ".join(parts) + more) from None
 
 
+def _json_too_large(limit: int) -> ApiError:
+    """JSON activations take ~40x their text in memory while parsed: beyond the limit, the .npy form carries them."""
+    return ApiError(413, "body_too_large", f"a JSON body is limited to {limit} bytes (QGEMM_MAX_JSON_BODY_BYTES: "
+                                           "parsing JSON numbers takes tens of times their size); send X as .npy "
+                                           f"(Content-Type: {NPY}) for larger products")
+
+
 def rows_to_array(rows: list[list[float]]) -> np.ndarray:
     """The JSON rows as X; checked after the tensor is found, so that an unknown tensor is a 404 first."""
     widths = {len(r) for r in rows}
@@ -207,8 +214,13 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     if ctype not in (JSON, NPY):
         raise ApiError(415, "unsupported_media_type",
                        f"Content-Type must be {JSON} or {NPY}, not {ctype or 'missing'}")
+    limit = request.app.state.settings.max_json_body_bytes
+    if ctype == JSON and int(request.headers.get("content-length") or 0) > limit:
+        raise _json_too_large(limit)
     body = await request.body()
     if ctype == JSON:
+        if len(body) > limit:  # chunked: known once read
+            raise _json_too_large(limit)
         req = parse_json(body) if len(body) <= INLINE_BYTES else await run_in_threadpool(parse_json, body)
         model_id, tensor_name = req.model, req.tensor
         kernel_obj = req.kernel if req.kernel == "auto" else KernelChooser.named(req.kernel)
