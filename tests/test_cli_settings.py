@@ -56,7 +56,8 @@ def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.Monk
     assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123, fronts=0)) == 0
     (kind1, settings1), (kind0, kw0) = ran
     assert kind1 == "supervisor" and settings1.port == 8123 and settings1.fronts is None
-    assert kind0 == "uvicorn" and kw0["port"] == 8123 and kw0["loop"] == "uvloop" and issubclass(kw0["http"], HttpToolsProtocol)
+    assert kind0 == "uvicorn" and kw0["port"] == 8123 and kw0["loop"] == "uvloop"
+    assert issubclass(kw0["http"], HttpToolsProtocol)
     assert 1 <= supervisor.default_fronts() <= 8
     monkeypatch.setenv("QGEMM_FRONTS", "-1")
     with pytest.raises(ValueError):
