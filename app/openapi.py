@@ -32,7 +32,8 @@ WHY = {
     422: "Well formed, but it cannot be computed with this tensor on this server: shape (`bad_shape`, "
          "`k_mismatch`, `too_many_rows`), values (`non_finite`, `activation_out_of_range`, `product_out_of_range`), "
          "`bad_dtype`, `unsupported_tensor`, `unknown_kernel`, `kernel_cannot_run`, `bad_weight_format`, "
-         "`tensor_too_large`, `not_dequantizable`.",
+         "`tensor_too_large`, `not_dequantizable`, `too_large_for_shared_memory` (X and Y of one request over what a "
+         "front of `qgemm serve` may hold, QGEMM_FRONT_INFLIGHT_BYTES).",
     500: "A fault of the server's own (`internal`), never an answer to what the client sent: the error carries a "
          "`request_id` under which the server logged it, and the connection stays usable.",
     503: "The GPU is out of memory for these weights (`gpu_out_of_memory`); retry after the Retry-After seconds.",

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     front_arena_bytes: int = Field(64 * MiB, ge=1 << 20, description="each front's shared memory for requests' "
                                                                       "activations and products (larger ones get "
                                                                       "their own)")
+    front_inflight_bytes: int = Field(1024 * MiB, ge=1 << 20, description="shared memory each front's requests too "
+                                                                         "large for its arena may hold at once (503 "
+                                                                         "with Retry-After past it)")
     pin_arenas: bool = Field(True, description="on a GPU, the engine page-locks each front's arena, so that "
                                                 "products are copied into it by DMA")
     quant_compare_max_values: int = Field(1 << 25, gt=0, description="largest tensor the quantization report "

@@ -259,3 +259,22 @@ def test_segment_names_cannot_be_guessed_and_a_taken_one_is_avoided(monkeypatch:
         arena.close()
     finally:
         squatted.unlink()
+
+
+def test_segments_of_their_own_stay_within_the_fronts_budget() -> None:
+    """Requests too large for the arena get segments of their own only up to the in-flight budget (503 past it:
+    retry), and one request over the whole budget is refused outright (it would never fit)."""
+    arena = shm.Arena("test", 1 * MiB, own_budget=20 * MiB)
+    try:
+        first = arena.slot(512, 4096, 1024)  # 8 + 2 MiB: its own segment
+        assert first.own is not None and arena.own_bytes == first.nbytes
+        with pytest.raises(shm.OverBudget, match="QGEMM_FRONT_INFLIGHT_BYTES"):
+            arena.slot(1024, 4096, 1024)  # 20 MiB more
+        with pytest.raises(ValueError, match="over the 20 MiB"):
+            arena.slot(4096, 4096, 1024)
+        arena.release(first)
+        assert arena.own_bytes == 0
+        second = arena.slot(1024, 4096, 256)  # fits once the first is gone
+        arena.release(second)
+    finally:
+        arena.close()

@@ -144,11 +144,17 @@ def slot_bytes(m: int, k: int, n: int) -> int:
     return _aligned(m * k * 4) + _aligned(m * n * 4)
 
 
-class Arena:
-    """A front's segment and its free space (first fit, neighbours merged on release).  Used from the front's
-    event loop only."""
+class OverBudget(NoSharedMemory):
+    """The requests in flight already hold this front's budget of segments of their own: retry shortly."""
 
-    def __init__(self, instance: str, nbytes: int):
+
+class Arena:
+    """A front's segment and its free space (first fit, neighbours merged on release), and the segments of their own
+    that requests too large for it hold, at most `own_budget` bytes at once (/dev/shm is all of RAM on many hosts:
+    it is never filled by requests).  Used from the front's event loop only."""
+
+    def __init__(self, instance: str, nbytes: int, own_budget: int = 1 << 62):
+        self.own_budget, self.own_bytes = own_budget, 0
         self.instance, self.size = instance, _aligned(nbytes)
         self._names = itertools.count()
         self.shm = self._create(self.size)
@@ -174,11 +180,20 @@ class Arena:
                 else:
                     self._free[i] = (off + need, size - need)
                 return Slot(self.name, off, need, m, k, n, self.shm.buf)
+        if need > self.own_budget:
+            raise ValueError(f"X and Y of this request take {need >> 20} MiB of shared memory, over the "
+                             f"{self.own_budget >> 20} MiB a front may hold in flight (QGEMM_FRONT_INFLIGHT_BYTES)")
+        if self.own_bytes + need > self.own_budget:
+            raise OverBudget(f"requests in flight on this front hold {self.own_bytes >> 20} MiB of shared memory of "
+                             f"their own (QGEMM_FRONT_INFLIGHT_BYTES: {self.own_budget >> 20} MiB); retry after the "
+                             "Retry-After seconds")
         own = self._create(need)  # too large for what is free: a segment of its own
+        self.own_bytes += need
         return Slot(own.name.lstrip("/"), 0, need, m, k, n, own.buf, own)
 
     def release(self, slot: Slot) -> None:
         if slot.own is not None:
+            self.own_bytes -= slot.nbytes
             try:
                 slot.own.close()
             except BufferError:  # a view of it is still alive: the mapping goes with it

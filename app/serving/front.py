@@ -50,16 +50,18 @@ def scheme_fields(scheme: Scheme | None) -> contract.Scheme | None:
 class RemoteService:
     """app/service.py's Service, answered by the engine processes."""
 
-    def __init__(self, sockets: list[str], run_dir: Path, instance: str, arena_bytes: int):
+    def __init__(self, sockets: list[str], run_dir: Path, instance: str, arena_bytes: int,
+                 inflight_bytes: int = 1 << 62):
         self.channels = [Channel(path) for path in sockets]
         self.run_dir, self.instance, self.arena_bytes = run_dir, instance, arena_bytes
+        self.inflight_bytes = inflight_bytes
         self.arena: arenas.Arena | None = None
         self._chooser: KernelChooser | None = None
         self._kernels: list[dict[str, Any]] | None = None
         self._last_health: dict[str, Any] = {"backend": "cpu", "device": None, "compile_ms": None, "devices": []}
 
     def open(self) -> None:
-        self.arena = arenas.Arena(self.instance, self.arena_bytes)
+        self.arena = arenas.Arena(self.instance, self.arena_bytes, self.inflight_bytes)
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -115,8 +117,10 @@ class RemoteService:
         assert self.arena is not None, "the front's arena is made at its start"
         try:
             slot = self.arena.slot(m, k, n)
-        except arenas.NoSharedMemory as exc:  # the arena is full and /dev/shm cannot hold a segment of its own
+        except arenas.NoSharedMemory as exc:  # the arena is full and /dev/shm (or the budget) holds no more now
             raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
+        except ValueError as exc:  # this request alone is over the budget: not a matter of waiting
+            raise InvalidRequest(str(exc), "too_large_for_shared_memory") from None
         with np.errstate(over="ignore", invalid="ignore"):
             np.copyto(slot.x(), x, casting="unsafe")
         kernel = checked.kernel.name if checked.kernel is not None else "auto"

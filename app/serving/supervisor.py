@@ -250,7 +250,8 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
     from app.serving.front import RemoteService
 
     settings = Settings.from_env()
-    service = RemoteService(engine_sockets, Path(run_dir), instance, settings.front_arena_bytes)
+    service = RemoteService(engine_sockets, Path(run_dir), instance, settings.front_arena_bytes,
+                            settings.front_inflight_bytes)
     app = create_app(settings, service=service)
     config = uvicorn.Config(app, loop="uvloop", http=bounded_http(settings.max_request_head_bytes,
                                                                   settings.request_read_timeout_s),
