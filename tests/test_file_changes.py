@@ -82,7 +82,7 @@ def test_rewritten_in_place_with_another_shape(files: tuple[Path, Path], backend
         assert c.get("/v1/models/m/tensors/w").json()["shape"] == [96, 512]
         if backend == "cuda":
             engine = c.app.state.engine
-            versions = {key[0] for key, _, _ in engine.cuda.resident.entries()}
+            versions = {key[0] for w in engine.pools["cuda"] for key, _, _ in w.entries()}  # every GPU's
             assert versions == {c.app.state.store.get("m").version_key}  # the old version's copies are gone
 
 
@@ -151,7 +151,7 @@ def test_deleted(files: tuple[Path, Path], backend: str, rng: np.random.Generato
         assert [m["id"] for m in c.get("/v1/models").json()["models"]] == ["other"]
         assert c.get("/v1/models/m").status_code == 404
         if backend == "cuda":  # m's copies are dropped, other's stay
-            ids = {key[0][0] for key, _, _ in c.app.state.engine.cuda.resident.entries()}
+            ids = {key[0][0] for w in c.app.state.engine.pools["cuda"] for key, _, _ in w.entries()}  # every GPU's
             assert ids == {"other"}
 
 

@@ -509,7 +509,8 @@ def test_memory_budget_evicts_and_refuses(gpu_models_dir: Path, rng: np.random.G
     from tests.conftest import make_client
 
     budget = 40_000  # holds one small tensor (13.9 KB Q4_0, 26.2 KB Q8_0) at a time
-    with make_client(gpu_models_dir, backend="cuda", gpu_memory_bytes=budget) as c:
+    # one device's budget: on a host of several GPUs the tensors would spread over their budgets
+    with make_client(gpu_models_dir, backend="cuda", gpu_memory_bytes=budget, devices="0") as c:
         x = rng.standard_normal((2, 96)).astype(np.float32)
         for name in ("small.q4_0.weight", "small.q8_0.weight", "small.q4_0.weight"):
             body = {"model": "demo", "tensor": name, "kernel": "dp4a", "activations": x.tolist()}
@@ -669,7 +670,7 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
     from tests.conftest import make_client
 
     name, k = "blk.0.attn_q.weight", 4096
-    with make_client(gpu_models_dir, backend="cuda") as c:
+    with make_client(gpu_models_dir, backend="cuda", devices="0") as c:  # one device's batching, whatever the host
         engine = c.app.state.engine
         ran: list[tuple[object, list[np.ndarray], np.ndarray]] = []
         scheduler = engine.pools["cuda"][0].scheduler
