@@ -46,6 +46,7 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
         app.state.store.scan()
         app.state.engine, app.state.service = None, service
         app.state.stats_cache = ByteLRU(64)
+        service.ready()
         try:
             yield
         finally:

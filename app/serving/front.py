@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +63,10 @@ class RemoteService:
 
     def open(self) -> None:
         self.arena = arenas.Arena(self.instance, self.arena_bytes, self.inflight_bytes)
+
+    def ready(self) -> None:
+        """Tell the supervisor this front's app has started (it is `ok` from then on, not from its process's start)."""
+        (self.run_dir / f"front-{os.getpid()}.ready").touch()
 
     async def close(self) -> None:
         for channel in self.channels:

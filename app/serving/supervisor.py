@@ -380,7 +380,7 @@ class Supervisor:
                 return True
             except OSError:
                 return False
-        return time.monotonic() - child.started > 0.5 and child.process.is_alive()
+        return child.process.is_alive() and os.path.exists(self.run_dir / f"front-{child.pid}.ready")
 
     def after_death(self, child: Child) -> None:
         if child.role == "front":
