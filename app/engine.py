@@ -25,7 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from app import placement
 from app.checks import Checked, check_output, check_request, check_values
 from app.placement import Part, Placement, Placements, Replica
-from app.scheduler import Answer, BatchAnswer
+from app.scheduler import Answer, BatchAnswer, settle_future
 from app.settings import Settings
 from app.tensors import effective, weight_bytes, weights
 from app.workers import Worker
@@ -44,15 +44,6 @@ from models.store import Model, TensorInfo
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
 INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
-
-
-def _settle(future: asyncio.Future, outcome: Answer | BaseException) -> None:
-    if future.done():  # its caller went away
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +164,7 @@ class Engine:
     async def run(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None = None) -> Answer:
         """A checked request's product (`enqueue`, awaited)."""
         future = asyncio.get_running_loop().create_future()
-        self.enqueue(model, c, x, out, partial(_settle, future))
+        self.enqueue(model, c, x, out, partial(settle_future, future))
         return await future
 
     def enqueue(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,

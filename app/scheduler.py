@@ -73,7 +73,8 @@ class Answer:
     release: Callable[[], None] | None = None  # once the answer is sent: frees the memory `output` lives in
 
 
-def _settle(future: asyncio.Future, outcome: BatchAnswer | BaseException) -> None:
+def settle_future(future: asyncio.Future, outcome: Any) -> None:
+    """`outcome` (an answer, or the error it raised) into `future`, unless its caller went away."""
     if future.done():  # a client that went away leaves a cancelled future
         return
     if isinstance(outcome, BaseException):
@@ -127,7 +128,8 @@ class Scheduler:
             step = min(step, spec.max_m)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(0, m, step)]
-        chunks = [Chunk(x[i:i + step], context, spec, partial(_settle, f), None if out is None else out[i:i + step])
+        chunks = [Chunk(x[i:i + step], context, spec, partial(settle_future, f),
+                        None if out is None else out[i:i + step])
                   for i, f in zip(range(0, m, step), futures, strict=True)]
         qkey = (key, spec.name if spec is not None else None)
         if not self.busy and len(chunks) == 1 and not self.queues:
