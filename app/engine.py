@@ -297,8 +297,9 @@ class Engine:
 
     async def _run_batch(self, worker: Worker, job: Job, spec: Kernel | None, parts: list[np.ndarray],
                          alone: bool = False, outs: list[np.ndarray | None] | None = None) -> tuple[Kernel, Result]:
-        """One product of stacked rows on `worker`'s device: on its thread, so that the event loop takes in
-        requests meanwhile; a lone small product on resident weights from the event loop itself."""
+        """One product of stacked rows on `worker`'s device: up to LOOP_ROWS rows on resident weights launched from the
+        event loop itself and polled, larger ones on the device's thread (the loop takes in requests meanwhile).
+        `alone` (nothing else waits) is the scheduler's to say; every small batch takes the loop's path."""
         rows = sum(p.shape[0] for p in parts)
         if spec is None:
             spec = self.choose("auto", job.eff, rows)
