@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded, QgemmError
-from models.store import FileChanged, NotFound
+from models.store import FileChanged, NotFound, Unreadable
 
 log = logging.getLogger("qgemm")
 
@@ -60,12 +60,14 @@ def as_http(exc: BaseException) -> tuple[int, str, str, dict[str, str] | None] |
         return status, exc.code, exc.message, {"Retry-After": retry} if retry else None
     if isinstance(exc, FileChanged):
         return 409, "model_changed", f"{exc}; the server reads it again: retry the request", None
+    if isinstance(exc, Unreadable):
+        return 409, "model_unreadable", str(exc), None
     if isinstance(exc, NotFound):
         return 404, "not_found", str(exc), None
     return None
 
 
-MAPPED = (ApiError, QgemmError, FileChanged, NotFound)  # the errors answered as themselves (as_http)
+MAPPED = (ApiError, QgemmError, FileChanged, NotFound, Unreadable)  # the errors answered as themselves (as_http)
 
 
 def mapped_response(exc: Exception) -> JSONResponse:

@@ -44,13 +44,18 @@ from models.gguf_index import (
     read_index,
 )
 
-__all__ = ["DEFAULT_MAX_HEADER_BYTES", "FileChanged", "FileId", "Model", "ModelStore", "NotFound", "TensorInfo"]
+__all__ = ["DEFAULT_MAX_HEADER_BYTES", "FileChanged", "FileId", "Model", "ModelStore", "NotFound", "TensorInfo",
+           "Unreadable"]
 log = logging.getLogger("qgemm")
 LOADING_WAIT_S = 300.0  # longest a request waits for a large header being read (a tokenizer: ~10 s)
 
 
 class NotFound(LookupError):
     pass
+
+
+class Unreadable(LookupError):
+    """The model's file is there, but it cannot be read (its status is "error"): what every route answers 409."""
 
 
 @dataclass
@@ -253,7 +258,7 @@ class ModelStore:
     @staticmethod
     def tensor_of(model: Model, name: str) -> tuple[Model, TensorInfo]:
         if model.status != "ok":
-            raise NotFound(f"model {model.id!r} could not be read: {model.error}")
+            raise Unreadable(f"model {model.id!r} could not be read: {model.error}")
         info = model.tensors.get(name)
         if info is None:
             raise NotFound(f"tensor {name!r} not found in model {model.id!r}")

@@ -204,7 +204,9 @@ def test_unsupported_content_type_is_415(client: TestClient) -> None:
 def test_unknown_model_or_tensor_is_404(client: TestClient) -> None:
     assert _post(client, model="nope")[0] == 404
     assert _post(client, tensor="nope.weight")[0] == 404
-    assert _post(client, model="truncated")[0] == 404
+    status, body = _post(client, model="truncated")  # there, but unreadable: what every route says of it
+    assert status == 409 and body["error"]["code"] == "model_unreadable"
+    assert client.get("/v1/models/truncated/tensors").status_code == 409
 
 
 @pytest.mark.parametrize("acts,code", [

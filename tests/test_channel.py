@@ -21,7 +21,7 @@ from app.serving import channel as ipc
 from app.serving import contract
 from app.serving.supervisor import arena_bytes_for
 from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded
-from models.store import FileChanged, NotFound
+from models.store import FileChanged, NotFound, Unreadable
 
 MiB = 1 << 20
 
@@ -74,7 +74,7 @@ def test_many_calls_in_flight_each_get_their_own_answer(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("error", [InvalidRequest("K must be 64", "k_mismatch"), Conflict("no", "no_gpu"),
                                    Overloaded("full"), DeviceOutOfMemory("oom"), NotFound("no tensor 'x'"),
-                                   FileChanged("changed")])
+                                   FileChanged("changed"), Unreadable("cut short")])
 def test_domain_errors_cross_as_themselves(error: Exception) -> None:
     """An engine's error reaches the front as the same class, code and message: the HTTP answer is the one a
     one-process server gives (app/errors.py maps it at the edge)."""

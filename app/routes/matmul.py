@@ -184,7 +184,7 @@ def operation() -> dict:
                                 NPY: {"schema": {"type": "string", "format": "binary"}}},
                     "headers": {h: {"description": d, "schema": {"type": "string"}}
                                 for h, d in MATMUL_HEADERS.items()}},
-            **{str(status): error_entry(status) for status in (404, 415, 422, 503)}},
+            **{str(status): error_entry(status) for status in (404, 409, 415, 422, 503)}},
     }
 
 

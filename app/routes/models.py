@@ -28,7 +28,7 @@ from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES
 from kernels.formats import format_of
 from models import inspect
-from models.store import Model, NotFound
+from models.store import Model, NotFound, Unreadable
 
 router = APIRouter(tags=["models"])
 
@@ -68,7 +68,7 @@ async def _model_now(request: Request, model_id: str) -> Model:
 
 def _readable(model: Model) -> Model:
     if model.status != "ok":
-        raise ApiError(409, "model_unreadable", f"model {model.id!r} could not be read: {model.error}")
+        raise Unreadable(f"model {model.id!r} could not be read: {model.error}")
     return model
 
 

@@ -4,8 +4,8 @@ loop turn has to say, encoded once).  Payloads never cross here: a Matmul names 
 front's shared-memory arena (app/serving/arenas.py).
 
 Errors cross as themselves: an engine that raises one of the domain's errors (kernels/errors.py, the store's
-NotFound and FileChanged) answers `Failed` with its class name, and the front raises the same class again, so
-that app/errors.py maps it to HTTP at the edge, as in one process.
+NotFound, Unreadable and FileChanged) answers `Failed` with its class name, and the front raises the same class
+again, so that app/errors.py maps it to HTTP at the edge, as in one process.
 
 The structs are array-like (a msgpack array, no field names on the wire) and untracked by the garbage collector:
 a Matmul encodes in ~0.3 µs and a frame of 64 decodes in ~15 µs (msgspec, 2-core CPU machine).
@@ -18,7 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from kernels.errors import Conflict, DeviceOutOfMemory, InvalidRequest, Overloaded, QgemmError
-from models.store import FileChanged, NotFound
+from models.store import FileChanged, NotFound, Unreadable
 
 Scheme = tuple[str, int, bool]  # a requantization (kernels/requant.py's Scheme): format, blocksize, double_quant
 
@@ -123,7 +123,8 @@ Answer = Done | Reply | Failed
 
 # the errors that cross as themselves, by class name
 ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (InvalidRequest, Conflict, Overloaded,
-                                                                    DeviceOutOfMemory, NotFound, FileChanged)}
+                                                                    DeviceOutOfMemory, NotFound, FileChanged,
+                                                                    Unreadable)}
 
 
 class EngineFault(RuntimeError):

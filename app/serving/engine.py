@@ -31,10 +31,9 @@ from app.serving.channel import Framed
 from app.serving.contract import Matmul
 from app.settings import Settings
 from app.tensors import effective
-from kernels.errors import Conflict
 from kernels.registry import KERNELS
 from kernels.requant import Scheme
-from models.store import FileChanged, Model, ModelStore
+from models.store import FileChanged, Model, ModelStore, Unreadable
 
 log = logging.getLogger("qgemm")
 HOUSEKEEPING_S = 5.0  # how often the engine lets go of the arenas of fronts that are gone
@@ -223,7 +222,7 @@ class EngineServer:
     async def model(self, model_id: str) -> Model:
         model = await self.store.current(model_id)
         if model.status != "ok":
-            raise Conflict(f"model {model_id!r} could not be read: {model.error}", "model_unreadable")
+            raise Unreadable(f"model {model_id!r} could not be read: {model.error}")
         return model
 
     async def answer(self, r: contract.Request) -> Any:
