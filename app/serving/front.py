@@ -113,9 +113,15 @@ class RemoteService:
         return {**self._last_health, "status": "degraded" if down else "ok", "processes": processes}
 
     async def kernel_table(self) -> list[dict[str, Any]]:
-        if self._kernels is None:
-            self._kernels = (await self._call(contract.Kernels())).value
-        return self._kernels
+        if self._kernels is None:  # every engine's table is the same: the first that answers gives it
+            for i, channel in enumerate(self.channels):
+                try:
+                    self._kernels = (await self._call(contract.Kernels(), channel)).value
+                    break
+                except ApiError:
+                    if i == len(self.channels) - 1:
+                        raise
+        return self._kernels  # type: ignore[return-value]
 
     async def matmul(self, model: Model, checked: Checked, x: np.ndarray) -> Answer:
         (m, k), n = x.shape, checked.eff.shape[0]
