@@ -204,7 +204,7 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
     time.sleep(max(0.0, start_at - time.time()))
     cpu_before = cpu_by_role(server)
     while time.time() < start_at + plan.seconds:
-        time.sleep(1.0)
+        time.sleep(min(1.0, max(0.0, start_at + plan.seconds - time.time())))  # CPU read as the clients stop
         if progress and time.time() > start_at:
             elapsed = time.time() - start_at
             print(f"\r  {elapsed:5.1f}/{plan.seconds:.0f} s  {counter.value} requests "

@@ -275,6 +275,7 @@ class Supervisor:
         self.children = [Child("engine", i) for i in range(len(self.engine_envs))] + \
             [Child("front", i) for i in range(fronts)]
         self.stopping = False
+        self.lock: socket.socket | None = None  # the port's, held from `run` to the process's end
 
     # -- leftovers and state -----------------------------------------------------------------------
     def clean_leftovers(self) -> None:
