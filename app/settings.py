@@ -93,6 +93,8 @@ class Settings(BaseSettings):
                                                                    "and more are written into by the GPU; 0: off")
     dependent_launch: bool = Field(True, description="on sm_90+, M = 1 products overlap their neighbours "
                                                      "(programmatic dependent launch)")
+    cuda_graphs: bool = Field(True, description="products of up to 64 rows replay a CUDA graph captured at their "
+                                                "second run (one launch instead of a dozen)")
 
     @property
     def index_dir(self) -> Path:

@@ -173,6 +173,44 @@ def check_kernel(backend, spec, type_name: str, raw: np.ndarray, x: np.ndarray, 
     assert_matches(res.output, want, terms, f"{spec.name} {type_name} M={m} N={n} K={k}")
 
 
+def test_small_products_replay_a_graph_as_launched(backend, weights_bank, rng: np.random.Generator) -> None:
+    """A product of up to 64 rows is captured as a CUDA graph at its second run and replayed after (graphs.py):
+    every run, on fresh X in parts of a batch, equals the product launched step by step, is timed
+    step by step, and comes from a replay from the third run on; dropping the weights drops their graphs."""
+    from kernels.cuda.backend import X_AMAX_ON_DEVICE
+
+    if backend.graphs is None:
+        pytest.skip("no CUDA graphs here (QGEMM_CUDA_GRAPHS, or the driver lacks event record nodes)")
+    tried = 0
+    for kernel in sorted(CUDA_KERNELS):
+        spec = KERNELS[kernel]
+        for type_name, (n, k), m in itertools.product(("Q4_0", "Q6_K", "F16"), ((257, 4096), (33, 96)), (1, 5, 64)):
+            if (type_name, n, k) not in weights_bank or spec.can_run(type_name, m, n, k, backend.cc) \
+                    or backend.kernel_reason(spec):
+                continue
+            raw = weights_bank[(type_name, n, k)]
+            w = Weights(("graphs", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
+            for run in range(4):
+                x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+                # parts as a batch's requests; more than X_AMAX_ON_DEVICE values in one has the device check X
+                parts = [x[:1], x[1:]] if (m - 1) * k <= X_AMAX_ON_DEVICE else [x[i:i + 1] for i in range(m)]
+                got = backend.run(spec, w, parts)
+                want = backend.run(spec, w, parts, poison=True)  # poisoned buffers: never a graph
+                assert np.isfinite(want.output).all()
+                # the same kernels on the same X: equal but for split-K's order of atomic adds
+                scale = float(np.abs(want.output).max())
+                np.testing.assert_allclose(got.output, want.output, rtol=1e-5, atol=1e-6 * scale,
+                                           err_msg=f"{kernel} {type_name} M={m} N={n} K={k} run {run}")
+                assert set(got.timing_ms) == set(want.timing_ms) and got.timing_ms["gemm"] > 0, got.timing_ms
+            key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, m)
+            assert key in backend.graphs.replays or key in backend.graphs.failed, (kernel, type_name, m)
+            tried += key in backend.graphs.replays
+            print(kernel, type_name, m, "replayed" if key in backend.graphs.replays else "step by step")
+            backend.unload(lambda key, wk=w.key: key == wk)
+            assert key not in backend.graphs.replays
+    assert tried >= 8, f"only {tried} products replayed a graph"
+
+
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:

@@ -11,6 +11,7 @@ step timed with CUDA events on the worker's stream.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -23,6 +24,7 @@ import numpy as np
 
 from kernels import reference
 from kernels.backend import Outs
+from kernels.cuda import graphs as product_graphs
 from kernels.cuda.host_memory import copy_in
 from kernels.cuda.layouts import ACTIVATIONS, ActivationLayout
 from kernels.cuda.modules import SOURCES, Modules
@@ -44,6 +46,8 @@ X_AMAX_ON_DEVICE = 1 << 16
 # come back in one download of the whole product and are copied on the host (a DMA call per part costs more CPU
 # than copying its few KiB: a batch of 64 single rows spent 10% of an engine's time in those calls, H100 machine)
 DIRECT_OUT_BYTES = 1 << 20
+# products of up to this many rows (without the device checks of large X or Y) replay a CUDA graph (graphs.py)
+GRAPH_ROWS = 64
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
 _row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
@@ -54,6 +58,7 @@ class Options(Protocol):
     """What the backend reads of the service's settings (app.settings.Settings has both)."""
     gpu_memory_bytes: int | None
     dependent_launch: bool
+    cuda_graphs: bool
 
 
 class Staging:
@@ -141,7 +146,10 @@ class CudaBackend:
         free, total = cupy.cuda.runtime.memGetInfo()
         budget = settings.gpu_memory_bytes if settings.gpu_memory_bytes is not None else int(free * 0.8)
         self.total_memory = int(total)
-        self.resident = ResidentWeights(budget)
+        self.graphs = product_graphs.ProductGraphs() \
+            if getattr(settings, "cuda_graphs", True) and product_graphs.available() else None
+        self.capture_stream = cupy.cuda.Stream(non_blocking=True)  # graphs are captured here: nothing else runs on it
+        self.resident = ResidentWeights(budget, None if self.graphs is None else self.graphs.drop_weights)
         self.modules = Modules(self.cc, self.sm_count, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
@@ -301,6 +309,11 @@ class CudaBackend:
             row += p.shape[0]
         given = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
+        if (self.graphs is not None and not poison and not direct and m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE
+                and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
+            replayed = self._replay(spec, w, parts, m, k, n, outs if given else None)
+            if replayed is not None:
+                return replayed
         y_h = None if direct else self.staging.array("y", (m, n), np.float32)
         ev = self.events
         with self.stream as s:
@@ -338,6 +351,68 @@ class CudaBackend:
         return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h, amax_h, tuple(p.shape[0] for p in parts),
                        outs if given and not direct else None)
 
+    def _replay(self, spec: Kernel, w: Weights, parts: list[np.ndarray], m: int, k: int, n: int,
+                outs: Outs) -> Pending | None:
+        """The product from its CUDA graph (captured at its second sight), or None: launch it step by step."""
+        graphs = self.graphs
+        assert graphs is not None
+        layout_key = w.layout_key(spec.weights.name)
+        key = (w.key, layout_key, w.type_name, n, k, spec.name, m)
+        if key in graphs.failed:
+            return None
+        with self.stream:
+            arrays, weights_ms = self._weights(spec, w)
+        replay = graphs.get(key, arrays)
+        if replay is None:
+            if weights_ms or graphs.first_sight(key):
+                return None
+            replay = self._capture(key, spec, w, arrays, m, k, n)
+            if replay is None:
+                return None
+        row = 0
+        for p in parts:
+            replay.x_h[row:row + p.shape[0]] = p
+            row += p.shape[0]
+        replay.graph.launch(self.stream)
+        return Pending(spec, m, k, replay.y_h, replay.acts, 0.0, spec.activations_for(w.type_name),
+                       part_rows=tuple(p.shape[0] for p in parts), outs=outs)
+
+    def _capture(self, key: tuple, spec: Kernel, w: Weights, arrays: dict, m: int, k: int,
+                 n: int) -> product_graphs.Replay | None:
+        """Capture the product of `key` and check one replay (its events must time it); None where it cannot be
+        captured (that key then always launches step by step)."""
+        graphs, mods, ev = self.graphs, self.modules, self.events
+        assert graphs is not None
+        layout = spec.activations_for(w.type_name)
+
+        def enqueue(x_d: Any, bufs: Any, y_d: Any) -> Any:
+            acts = layout.fill(mods, x_d, bufs)  # type: ignore[attr-defined]
+            product_graphs.record_in_graph(ev[2], self.capture_stream)
+            spec.launch(mods, w.type_name, arrays, acts, y_d, m, n, k)  # type: ignore[attr-defined]
+            return acts
+
+        dependent = mods.dependent_launch
+        mods.dependent_launch = False  # inside a graph, the kernels follow a copy node: no programmatic edge
+        try:
+            graph, x_h, y_h, acts, keep, nbytes = product_graphs.capture(
+                cupy, self.capture_stream, ev, m, k, n, lambda: layout.buffers(m, k), enqueue)
+            x_h[...] = 0
+            graph.launch(self.stream)
+            ev[4].synchronize()
+            for i in range(4):
+                cupy.cuda.get_elapsed_time(ev[i], ev[i + 1])
+        except Exception as exc:
+            log.warning("a CUDA graph of %s (M=%d, N=%d, K=%d) could not be captured (%s): it runs step by step",
+                        spec.name, m, n, k, exc)
+            graphs.failed.add(key)
+            return None
+        finally:
+            mods.dependent_launch = dependent
+        replay = product_graphs.Replay(graph, x_h, y_h, acts, arrays, (w.key, w.layout_key(spec.weights.name)),
+                                       nbytes, keep)
+        graphs.put(key, replay)
+        return replay
+
     def finish(self, pending: Pending, keep_q8_1: bool = False) -> Result:
         """After `events[4]` completed: the output (copied off the staging buffer) and the timing."""
         ev = self.events
@@ -357,6 +432,9 @@ class CudaBackend:
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": pending.weights_ms + sum(t)}
         finite = None if pending.finite_h is None else bool(pending.finite_h[0])
+        if finite is None and pending.y_h is not None and math.isfinite(float(pending.y_h.sum())):
+            finite = True  # one sum for the batch: a NaN or infinity anywhere would show (a finite sum may overflow
+            # for large finite values: then each request's rows are checked, as without it)
         x_amax = None
         if pending.amax_h is not None:
             ends = np.cumsum(pending.part_rows)

@@ -32,8 +32,9 @@ def is_oom(exc: BaseException) -> bool:
 
 
 class ResidentWeights:
-    def __init__(self, budget: int):
-        self.lru: ByteLRU[Layout] = ByteLRU(budget)
+    def __init__(self, budget: int, on_drop: Callable[[Hashable], None] | None = None):
+        """`on_drop((key, layout))`: told of every layout the store lets go of (what reads it must let go too)."""
+        self.lru: ByteLRU[Layout] = ByteLRU(budget, None if on_drop is None else lambda full, _: on_drop(full))
         self._lock = threading.Lock()
 
     @property

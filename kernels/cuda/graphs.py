@@ -1,0 +1,170 @@
+"""Small products replayed from CUDA graphs: the launch of a batch of a few rows costs one graph launch instead of a
+dozen CuPy calls.
+
+Launching a product step by step (upload, quantize, GEMM, download, and the events that time them) costs the
+engine's thread some 400 µs of Python per batch on the H100 host, more than the GPU's work at M <= 64 (tens of
+µs), so that the engine, not the GPU, bounded a server's requests per second.  A product of M rows on a tensor's
+resident weights is captured once (its second time: the first runs as usual and warms up whatever allocates on
+first use), with buffers of its own at fixed addresses (pinned host X and Y, device X, the activation layout's
+buffers, Y), and replayed after X's rows are copied into its pinned X.  The events that time each step are
+recorded inside the graph (external event records), so the answer's timing is the same.
+
+A graph reads the weights' device arrays it was captured with: it holds them, and is dropped when the resident
+store drops them (eviction, unload, a changed file) or when the store hands out other arrays under the same key.
+Graphs are kept least recently used first, up to GRAPHS_KEPT and GRAPH_BYTES of buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("qgemm")
+GRAPHS_KEPT = 512
+GRAPH_BYTES = 256 << 20  # device bytes of the graphs' own buffers (as much again of pinned host memory)
+_EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL: an event record node inside a captured graph
+
+
+def _driver_record() -> Any:
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuEventRecordWithFlags
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RECORD = _driver_record()
+
+
+def record_in_graph(event: Any, stream: Any) -> None:
+    """`event` recorded on a capturing `stream` as a node of the graph (a plain record would only order the capture)."""
+    err = _RECORD(ctypes.c_void_p(event.ptr), ctypes.c_void_p(stream.ptr), _EVENT_RECORD_EXTERNAL)
+    if err != 0:
+        raise RuntimeError(f"cuEventRecordWithFlags failed with CUresult {err}")
+
+
+def available() -> bool:
+    return _RECORD is not None
+
+
+@dataclass(eq=False)
+class Replay:
+    """A captured product: its graph and the buffers the graph reads and writes."""
+
+    graph: Any  # cupy.cuda.Graph
+    x_h: np.ndarray  # pinned [M, K] float32: the rows are copied here before each replay
+    y_h: np.ndarray  # pinned [M, N] float32: the product lands here
+    acts: Any  # the activation layout's device buffers (keep_q8_1 reads them)
+    weights: dict  # the resident arrays it reads (held: compared on each replay)
+    weight_key: tuple[Hashable, str]  # (Weights.key, layout key): dropped with them
+    nbytes: int
+    keep: tuple[Any, ...]  # device and host memory the graph's nodes point at
+
+
+class ProductGraphs:
+    """Captured products by (weights, layout, kernel, M), least recently used first.  The resident store drops
+    weights from the device's thread while products launch from the event loop's: a lock keeps the table whole."""
+
+    def __init__(self, kept: int = GRAPHS_KEPT, max_bytes: int = GRAPH_BYTES):
+        self.kept, self.max_bytes = kept, max_bytes
+        self._lock = threading.Lock()
+        self.replays: OrderedDict[Hashable, Replay] = OrderedDict()
+        self.seen: set[Hashable] = set()  # ran once the usual way: captured at the next
+        self.failed: set[Hashable] = set()  # could not be captured: always the usual way
+        self.nbytes = 0
+
+    def get(self, key: Hashable, weights: dict) -> Replay | None:
+        with self._lock:
+            r = self.replays.get(key)
+            if r is None:
+                return None
+            if r.weights is not weights:  # the store uploaded them again: the old graph reads freed memory
+                self._pop(key)
+                return None
+            self.replays.move_to_end(key)
+            return r
+
+    def first_sight(self, key: Hashable) -> bool:
+        """True the first time `key` comes (run it the usual way then), False after."""
+        if key in self.seen:
+            return False
+        if len(self.seen) > 16 * self.kept:
+            self.seen.clear()
+        self.seen.add(key)
+        return True
+
+    def put(self, key: Hashable, replay: Replay) -> None:
+        with self._lock:
+            self._pop(key)
+            self.replays[key] = replay
+            self.nbytes += replay.nbytes
+            while self.replays and (len(self.replays) > self.kept or self.nbytes > self.max_bytes):
+                self._pop(next(iter(self.replays)))
+
+    def _pop(self, key: Hashable) -> None:
+        r = self.replays.pop(key, None)
+        if r is not None:
+            self.nbytes -= r.nbytes
+
+    def drop_weights(self, weight_key: Hashable) -> None:
+        """The resident store let go of these weights: the graphs that read them go too."""
+        with self._lock:
+            for key in [k for k, r in self.replays.items() if r.weight_key == weight_key]:
+                self._pop(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.replays.clear()
+            self.nbytes = 0
+
+
+def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, buffers: Callable[[], Any],
+            enqueue: Callable[[Any, Any, Any], Any]) -> tuple[Any, np.ndarray, np.ndarray, Any, tuple[Any, ...], int]:
+    """Capture one product of M rows on `stream` (a stream of its own: nothing else enqueues on it meanwhile):
+    `buffers()` makes the activation layout's buffers (before the capture: a graph cannot allocate),
+    `enqueue(x_d, bufs, y_d)` the quantize kernel, the record of events[2] and the GEMM (it returns the activations
+    as the GEMM read them); events 0, 1, 3 and 4 are recorded here, as in an ordinary launch.
+    Returns (graph, pinned X, pinned Y, acts, what to keep alive, device bytes)."""
+    x_mem = cupy.cuda.alloc_pinned_memory(max(m * k * 4, 1))
+    y_mem = cupy.cuda.alloc_pinned_memory(max(m * n * 4, 1))
+    x_h = np.frombuffer(x_mem, np.float32, m * k).reshape(m, k)
+    y_h = np.frombuffer(y_mem, np.float32, m * n).reshape(m, n)
+    x_d = cupy.empty((m, k), dtype=cupy.float32)
+    y_d = cupy.empty((m, n), dtype=cupy.float32)
+    bufs = buffers()
+    rt = cupy.cuda.runtime
+    mode = getattr(rt, "streamCaptureModeThreadLocal", None)
+    with stream:
+        if mode is None:
+            stream.begin_capture()
+        else:
+            stream.begin_capture(mode)
+        try:
+            record_in_graph(events[0], stream)
+            # raw copies: CuPy's set() and get() refuse host transfers on a capturing stream (pageable memory
+            # cannot be captured; these buffers are pinned)
+            rt.memcpyAsync(x_d.data.ptr, x_h.ctypes.data, x_h.nbytes, rt.memcpyHostToDevice, stream.ptr)
+            record_in_graph(events[1], stream)
+            acts = enqueue(x_d, bufs, y_d)
+            record_in_graph(events[3], stream)
+            rt.memcpyAsync(y_h.ctypes.data, y_d.data.ptr, y_h.nbytes, rt.memcpyDeviceToHost, stream.ptr)
+            record_in_graph(events[4], stream)
+        finally:
+            graph = stream.end_capture()
+    nbytes = int(x_d.nbytes + y_d.nbytes + sum(int(a.nbytes) for a in _arrays(bufs)))
+    return graph, x_h, y_h, acts, (x_mem, y_mem, x_d, y_d), nbytes
+
+
+def _arrays(acts: Any) -> list[Any]:
+    if isinstance(acts, dict):
+        return [a for a in acts.values() if hasattr(a, "nbytes")]
+    return [acts] if hasattr(acts, "nbytes") else []
