@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
             gguf_index.shutdown()
 
     # telemetry off: the service exports Prometheus metrics (/metrics), and FastAPI's OpenTelemetry
-    # check of its providers cost ~60 µs on every request (profiled, docs/reports/service.md)
+    # check of its providers cost ~60 µs on every request (profiled)
     # the API docs page serves Swagger UI's own files (fastapi-offline): it works without internet
     app = FastAPIOffline(title="qgemm", version=__version__, lifespan=lifespan if service is None else front_lifespan,
                          redoc_url=None,

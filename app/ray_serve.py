@@ -10,7 +10,7 @@ requests with that id to replicas that report it loaded; the least recently used
 beyond QGEMM_RAY_MODELS_PER_REPLICA is unloaded.
 
 Run it with `qgemm serve --ray` (starts or joins a Ray cluster), or with Serve's own CLI and the config
-shipped beside this module: `serve run app/ray_serve.yaml` (docs/reports/service.md has a two-node example).
+shipped beside this module: `serve run app/ray_serve.yaml` (docs/serving.md: several GPUs and Ray Serve).
 """
 
 from __future__ import annotations

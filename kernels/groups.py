@@ -3,7 +3,7 @@ llama.cpp's CUDA dot products multiply, and valid random blocks of each (gguf ca
 
 Every one of these formats is, to llama.cpp's dot products with Q8_1, integer values q with a scale per group
 of 16 or 32 values and, for Q2_K / Q4_K / Q5_K, a minimum per group.  The two formulas take them differently
-(docs/reports/formats-legacy-and-float.md says which of llama.cpp's functions each mirrors):
+(docs/formats.md and its reports say which of llama.cpp's functions each mirrors):
 
 * MMVQ (`vecdotq.cuh`, M <= 8): y = Σ_groups d_a * (scale * sumi + coef * Σq_a), all in float; scale and coef
   are exact products of the block's fields (d*sc, -dmin*m, 2^(e-127)/2...), Σq_a the group's integer sum of

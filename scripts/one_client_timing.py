@@ -4,9 +4,14 @@ client's own wall time: where a lone request's time goes (the device's steps, th
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the imports that need a GPU
+    print(__doc__)
+    sys.exit(0)
+
 import io
 import statistics
-import sys
 import time
 
 import httpx

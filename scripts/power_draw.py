@@ -3,13 +3,19 @@
 Each of the bench's pairs (quantize + GEMM, or cuBLAS's fp16 cast + GEMM on the dequantized weights)
 is captured 200 times in a CUDA graph and replayed for SECONDS while `nvidia-smi` samples the SM clock,
 power and clock-event reasons every 50 ms; energy per call = median power x sustained time per call.
-The bench's own figures come from short bursts, which the power limit does not reach (docs/reports/kernel-design.md,
+The bench's own figures come from short bursts, which the power limit does not reach (the kernel-design report,
 "Power"):
 
     python3 scripts/power_draw.py            # M = 512, N = 4096, K = 4096 and 14336
 """
 
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the imports that need a GPU
+    print(__doc__)
+    sys.exit(0)
 
 import argparse
 import subprocess

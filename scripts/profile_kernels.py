@@ -10,8 +10,13 @@ BENCH_TENSORS); without arguments, mmq and gemv on Q4_0.  Each shape runs LAUNCH
 
 from __future__ import annotations
 
-import os
 import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the imports that need a GPU
+    print(__doc__)
+    sys.exit(0)
+
+import os
 
 import cupy
 import numpy as np

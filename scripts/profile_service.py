@@ -4,10 +4,15 @@ engine's whole path (checks, scheduler, thread hop, product), each timed over ma
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before the imports that need a GPU
+    print(__doc__)
+    sys.exit(0)
+
 import asyncio
 import cProfile
 import pstats
-import sys
 import time
 
 import numpy as np

@@ -4,6 +4,7 @@
 # runs from a fresh (or given) base; the others run once.
 #   scripts/seed_sweep.sh [SEEDS=1000] [SHARDS=2] [BASE=random]   logs in ./seed-sweep/
 set -euo pipefail
+case ${1:-} in -h|--help) sed -n 2,5p "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 seeds=${1:-1000}; shards=${2:-2}; base=${3:-$(python3 -c 'import secrets; print(secrets.randbits(31))')}
 per=$(( (seeds + shards - 1) / shards ))

@@ -77,7 +77,7 @@ def test_cuda_kernels_equal_llama_cpp(where: str) -> None:
         pytest.skip("needs a CUDA device through CuPy")
     outdir = FIXTURE if where == "fixture" else os.environ.get("QGEMM_PARITY_DIR")
     if not outdir:
-        pytest.skip("QGEMM_PARITY_DIR names no ../shared/ggml-parity/run.sh output")
+        pytest.skip("QGEMM_PARITY_DIR names no ggml parity output (tools/parity.py)")
     cuda = CudaBackend(parity.BackendOptions())
     try:
         rows = parity.compare(Path(outdir), 4096, cuda)

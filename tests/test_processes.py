@@ -48,8 +48,8 @@ def _segments(port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo (written where missing) beside broken files, and the fetched models where they are: these tests
-    serve only the demo, so they also run where SmolLM2 was not fetched (the GPU machine, whose calls cannot carry
-    its 98 MB; QGEMM_TEST_PROCESS_BACKEND=cuda)."""
+    serve only the demo, so they also run where SmolLM2 was not fetched (a GPU machine without network;
+    QGEMM_TEST_PROCESS_BACKEND=cuda)."""
     real = Settings.from_env().models_dir
     ensure_demo(real)
     return populate_models_dir(tmp_path_factory.mktemp("models"), real)

@@ -2,7 +2,7 @@
 its model file is rewritten in place, renamed over, truncated and deleted every two seconds.  It must
 end with 0 5xx, 0 reset connections, 0 wrong products and flat memory.  QGEMM_SOAK_SECONDS sets the
 length (60 s by default); the 10-minute GPU run is `qgemm soak --backend cuda --clients 32 --seconds 600`
-(docs/reports/hardening.md)."""
+(docs/operations.md)."""
 
 from __future__ import annotations
 

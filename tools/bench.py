@@ -22,7 +22,7 @@ from typing import Any
 
 from tools.side_by_side import load_llama_cpp
 
-# cuBLAS fp16 on the same H100 kind, from ../shared/anchors.md (2026-11-21): a reference line where a run has no
+# cuBLAS fp16 on the same H100 kind, measured 2026-11-21: a reference line where a run has no
 # cuBLAS kernel of its own.  llama.cpp's column comes from a file of the same session (--llama-cpp), never from here.
 CUBLAS_F16_US = {
     4096: {1: 8.96, 8: 9.86, 32: 18.10, 128: 27.79, 512: 53.31, 2048: 169.47},
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
     p.add_argument("--tune", action="store_true", help="also write the auto table (kernels/tuning/table.json)")
     p.add_argument("--llama-cpp", default=None, metavar="FILE",
-                   help="llama.cpp's times for the llama.cpp column: ../shared/ggml-parity/perf.sh's output of the "
+                   help="llama.cpp's times for the llama.cpp column: test-backend-ops perf -o MUL_MAT output of the "
                         "same machine session, or a side-by-side.json (tools/side_by_side.py)")
 
 
@@ -317,11 +317,11 @@ def _llama_note(result: dict[str, Any]) -> str:
 
 
 def report(result: dict[str, Any], picture: str = "benchmarks.png") -> str:
-    """docs/reports/kernel-benchmarks.md: device, date, method, ceilings, the table and the picture."""
+    """The bench's report (bench.md): device, date, method, ceilings, the table and the picture."""
     return f"""# Benchmarks
 
 Device: **{result['device']}** (compute capability {result['compute_capability'] / 10:.1f}, {result['sm_count']} SMs,
-{result['l2_bytes'] >> 20} MiB L2), measured {result['date']} with `qgemm bench` (`scripts/gpu-check.sh bench`).
+{result['l2_bytes'] >> 20} MiB L2), measured {result['date']} with `qgemm bench`.
 
 Method: weights are the demo model's benchmark tensors of each type and K (`models/demo.py`, BENCH_TENSORS;
 N=4096), uploaded in each kernel's layout.

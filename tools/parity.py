@@ -1,7 +1,7 @@
 """qgemm's products against llama.cpp's own, on the same bytes.
 
-`../shared/ggml-parity/run.sh OUTDIR TYPES N K MS` builds ggml (llama.cpp's tensor library) on the GPU
-machine and writes, per weight type, ggml's quantization of deterministic weights (TYPE.w.bin, GGUF
+A parity harness linked against ggml (llama.cpp's tensor library, built with CUDA on the GPU) writes into
+OUTDIR, per weight type, ggml's quantization of deterministic weights (TYPE.w.bin, GGUF
 block bytes), the activations (x.f32) and what `ggml_mul_mat` computed on the CUDA backend at each M
 (TYPE.M.y.f32).  This module runs every kernel here on those bytes (the CPU references always, the
 CUDA kernels when a GPU is present) and reports the NMSE of each product against ggml's:
@@ -120,7 +120,7 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.parity", description=__doc__.split("\n\n")[0])
-    p.add_argument("outdir", type=Path, help="a ../shared/ggml-parity/run.sh output folder")
+    p.add_argument("outdir", type=Path, help="a ggml parity output folder (TYPE.w.bin, x.f32, TYPE.M.y.f32)")
     p.add_argument("--k", type=int, default=4096, help="K of the run (run.sh's default 4096)")
     p.add_argument("--json", type=Path, help="write the rows here too")
     p.add_argument("--cpu", action="store_true", help="the CPU references only, even with a GPU present")

@@ -1,5 +1,5 @@
 """qgemm beside llama.cpp, from one machine session: `qgemm bench`'s rows and ggml's own MUL_MAT times
-(`../shared/ggml-parity/perf.sh`, test-backend-ops perf output) joined per (type, K, M).
+(test-backend-ops perf -o MUL_MAT output) joined per (type, K, M).
 
 qgemm's figure is the kernel `auto` picks at that shape (what the service runs), quantize + GEMM timed on the same
 buffers, as test-backend-ops times its op (weights of K = 4096 then mostly come from L2); `hbm_share` is the same

@@ -191,7 +191,7 @@ def operation() -> dict:
 async def matmul(request: Request) -> Response:
     """POST /v1/matmul: Y[M, N] = X[M, K] · W[N, K]ᵀ.  A plain Starlette route (app.main), documented by
     `operation()`: FastAPI's per-request parameter and dependency solving cost more than the product itself at
-    M = 1 (docs/reports/service.md, "Where the time goes"), so the query parameters are read here, as strings."""
+    M = 1 (profiled: docs/serving.md), so the query parameters are read here, as strings."""
     check_api_key(request)
     q = request.query_params
     requant = None

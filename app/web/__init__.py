@@ -16,7 +16,7 @@ from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
 
 HERE = Path(__file__).parent
 # the committed bench figure, in a source checkout
-BENCH_PICTURE = HERE.parents[1] / "docs" / "reports" / "kernel-benchmarks" / "benchmarks.png"
+BENCH_PICTURE = HERE.parents[1] / "docs" / "perf" / "benchmarks.png"
 templates = Jinja2Templates(directory=HERE / "templates")
 router = APIRouter(include_in_schema=False)
 

@@ -370,7 +370,7 @@ register(MulMatVecF(
     weight_types=("BF16",), auto_rank=0,
     description="a BF16 matrix times one fp32 row as llama.cpp's mul_mat_vec_f sums it, bit for bit "
                 "(reference.ref_bf16_mmvf): fp32 FMAs per thread of its block, float butterflies; a warp a row"))
-register(MulMatF(  # not ranked: measured (docs/reports/kernels-at-the-limit.md, seventh session)
+register(MulMatF(  # not ranked: measured (docs/performance.md; seventh session)
     name="mmf_f16", element="f16", activation_format="f16", source="w16.cu", layout=L.F16, min_cc=80,
     max_m=MMF_MAX_M, k_multiple=8, weight_types=("F16",),
     description="an F16 matrix times 2-16 rows on tensor cores (mma.sync m16n8k16, fp32 accumulators): llama.cpp's "

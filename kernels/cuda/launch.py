@@ -51,7 +51,7 @@ def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
 
 
 # gemv's M = 1 kernel for the grouped formats (fast.cu gemv1_<type>_s<S>): warps a weight row's K is split over,
-# the fastest on the H100 (docs/reports/kernels-at-the-limit.md, third and eighth sessions); 1 for the others
+# the fastest on the H100 (docs/performance.md: kernels at the limit); 1 for the others
 GROUPS_SPLIT = {"Q2_K": 2, "Q5_K": 2}
 
 
