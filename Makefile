@@ -40,6 +40,7 @@ serve: models
 
 lint: setup-test
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports  # the layers: tools on app on models on kernels, no cycles (pyproject.toml)
 
 test: setup-test models lint
 	QGEMM_TEST_REQUIRE_MODELS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile

@@ -1,10 +1,11 @@
 """qgemm: inspect GGUF models and multiply their quantized weights the way llama.cpp does (fetch, serve, inspect,
-cut, bench, side-by-side, loadtest, soak)."""
+cut; the development tools bench, side-by-side, loadtest, soak and parity run from tools/)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,9 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from app.serving import supervisor
 
     logs.setup(settings.log_level, settings.log_format)
-    return supervisor.serve(settings)
+    from app.front_main import run_front
+
+    return supervisor.serve(settings, run_front)
 
 
 def cuda_unavailable(settings: Settings) -> str | None:
@@ -212,63 +215,6 @@ def cmd_cut(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    from tools.bench import main as bench_main
-
-    return bench_main(args)
-
-
-def cmd_side_by_side(args: argparse.Namespace, settings: Settings) -> int:
-    from tools.side_by_side import main as side_by_side_main
-
-    try:
-        return side_by_side_main(args)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"qgemm side-by-side: {exc}", file=sys.stderr)
-        return 1
-
-
-def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
-    import httpx
-
-    from tools import loadtest
-
-    url = args.url.rstrip("/")
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    r = httpx.get(f"{url}/v1/models/{args.model}/tensors/{args.tensor}", headers=headers, timeout=30)
-    if r.status_code != 200:
-        print(f"error: {r.status_code} {r.text}", file=sys.stderr)
-        return 1
-    rows = []
-    for m in args.m:
-        for clients in args.clients:
-            for fmt in args.format:
-                plan = loadtest.Plan(url, args.model, args.tensor, r.json()["shape"][1], m, args.kernel, fmt, clients,
-                                     args.seconds, settings.api_key)
-                print(f"M={m} clients={clients} {fmt}:", file=sys.stderr)
-                row = loadtest.run(plan, args.processes)
-                rows.append({**row, "label": args.label} if args.label else row)
-                print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
-                      f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
-                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {row['gpu_share']:.1%}",
-                      file=sys.stderr)
-                if row["cpu_us_per_request"]:
-                    print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
-                                                             in row["cpu_us_per_request"].items()), file=sys.stderr)
-    text = json.dumps(rows, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
-    return 0
-
-
-def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
-    from tools.soak import main as soak_main
-
-    return soak_main(args)
-
-
 def add_settings(p: argparse.ArgumentParser) -> None:
     """Every setting as a flag (--models-dir for QGEMM_MODELS_DIR), its default and variable in the help."""
     group = p.add_argument_group("settings (each also a QGEMM_* environment variable; a flag wins)")
@@ -306,10 +252,20 @@ class SettingsError(ValueError):
     pass
 
 
+# the development tools' commands (tools/cli.py): `qgemm bench ...` runs `python -m tools bench ...` in this process's
+# place, so that the product never imports the tools that stand on it
+TOOLS = ("bench", "side-by-side", "loadtest", "soak", "parity")
+
+
 def main(argv: list[str] | None = None) -> int:
     from app import __version__
 
-    parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        os.execv(sys.executable, [sys.executable, "-m", "tools", *argv])
+    parser = argparse.ArgumentParser(prog="qgemm", description=__doc__,
+                                     epilog=f"development tools ({', '.join(TOOLS)}): qgemm TOOL --help, the same as "
+                                            "python -m tools TOOL --help")
     parser.add_argument("--version", action="version", version=f"qgemm {__version__}")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("fetch", help="write the demo model and fetch the real ones: SmolLM2-135M and Gemma 3 "
@@ -335,39 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--tensor", action="append", required=True, help="a tensor to keep (repeatable)")
-    p = sub.add_parser("bench", help="time every available kernel on the seeds' shapes (needs a GPU)")
-    try:
-        from tools.bench import add_arguments
-    except ImportError:  # pragma: no cover
-        add_arguments = None
-    if add_arguments:
-        add_arguments(p)
-    p = sub.add_parser("side-by-side", help="join a bench.json with llama.cpp's perf output of the same machine "
-                                            "session: a table, a picture and side-by-side.json")
-    from tools.side_by_side import add_arguments as side_by_side_arguments
-
-    side_by_side_arguments(p)
-    p = sub.add_parser("loadtest", help="drive a running server with concurrent clients; report throughput, latency")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default="demo")
-    p.add_argument("--tensor", default="blk.0.attn_q.weight")
-    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
-    p.add_argument("--m", type=ints, default=[1], help="rows per request (comma-separated for several runs)")
-    p.add_argument("--clients", type=ints, default=[8], help="concurrent clients (comma-separated)")
-    p.add_argument("--format", type=lambda v: v.split(","), default=["npy"], help="npy, json or npy,json")
-    p.add_argument("--kernel", default="auto")
-    p.add_argument("--seconds", type=float, default=10.0, help="duration of each run")
-    p.add_argument("--processes", type=int, default=None, help="client processes (default: half the CPUs)")
-    p.add_argument("--label", default=None, help="a label written into each result row")
-    p.add_argument("--out", default=None, help="write the JSON rows here (default: stdout)")
-    p = sub.add_parser("soak", help="run a server under concurrent products while its model files are rewritten; "
-                                    "report 5xx, resets, wrong products and memory (exit 1 if any fails)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--rewrite-every", type=float, default=2.0, help="seconds between rewrites of the soak model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -381,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         from app import logs
 
         logs.setup(settings.log_level, settings.log_format)
-    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut, "bench": cmd_bench,
-                "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest, "soak": cmd_soak}
+    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut}
     return commands[args.command](args, settings)
 
 

@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
     metrics = Metrics(engine=service is None)  # a front's engine reports its own
     app.state.metrics = metrics
     errors.install(app)
-    openapi.install(app, api_key_set=settings.api_key is not None)
+    openapi.install(app, api_key_set=settings.api_key is not None, matmul_operation=matmul.operation)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     v1.include_router(models.router)
     v1.include_router(system.router)

@@ -10,6 +10,7 @@ FastAPI's default 422 (its HTTPValidationError model) is removed: validation err
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -57,12 +58,10 @@ def _is_fastapi_validation(entry: dict[str, Any]) -> bool:
     return schema.get("$ref", "").endswith("/HTTPValidationError")
 
 
-def _add_matmul(doc: dict[str, Any]) -> None:
+def _add_matmul(doc: dict[str, Any], operation: dict[str, Any]) -> None:
     """POST /v1/matmul, a plain route (app/routes/matmul.py says why), and the response model it refers to."""
-    from app.routes import matmul
-
     paths = doc.setdefault("paths", {})
-    paths["/v1/matmul"] = {"post": matmul.operation()}
+    paths["/v1/matmul"] = {"post": operation}
     schema = MatmulResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(schema.pop("$defs", {}))
@@ -70,12 +69,15 @@ def _add_matmul(doc: dict[str, Any]) -> None:
     doc["components"]["schemas"] = dict(sorted(schemas.items()))
 
 
-def install(app: FastAPI, api_key_set: bool) -> None:
+def install(app: FastAPI, api_key_set: bool, matmul_operation: Callable[[], dict[str, Any]]) -> None:
+    """`matmul_operation()`: POST /v1/matmul's entry (app/routes/matmul.py writes it; the route module uses this
+    one's error entries, so it is handed in rather than imported)."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        _add_matmul(doc)
+        _add_matmul(doc, matmul_operation())
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})

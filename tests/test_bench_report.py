@@ -113,7 +113,7 @@ def test_side_by_side_update_replaces_only_the_shapes_measured_and_names_each_ro
 
 
 def test_bench_refuses_a_llama_cpp_file_it_cannot_read_before_any_gpu_work(tmp_path, capsys) -> None:
-    from app.cli import main
+    from tools.cli import main
 
     (tmp_path / "perf.txt").write_text("not test-backend-ops output")
     assert main(["bench", "--llama-cpp", str(tmp_path / "perf.txt")]) == 2

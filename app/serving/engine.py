@@ -264,7 +264,7 @@ class EngineServer:
 def run(env: dict[str, str], socket_path: str) -> None:
     """The engine process's main (multiprocessing, spawn): the settings come from `env` (the supervisor's, with
     this engine's device)."""
-    from app.serving.supervisor import die_with_parent
+    from app.serving.lifetime import die_with_parent
 
     die_with_parent()
     os.environ.update(env)

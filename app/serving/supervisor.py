@@ -23,7 +23,6 @@ The processes' state is kept in `state.json` in the run directory, which the fro
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import multiprocessing
@@ -34,6 +33,7 @@ import socket
 import stat
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,48 +224,15 @@ def queued_connections_migrate() -> bool:
         return False
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to end this process when the supervisor dies (even by kill -9): nothing outlives it.  SIGKILL,
-    not SIGTERM: with no supervisor there is no orderly stop to make, and a front's graceful exit waits for its
-    background header reads (seconds); what a killed family leaves in /dev/shm and the run directory, the next
-    start removes."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: nothing watches
-        pass
-    if os.getppid() == 1:  # the supervisor was already gone before the call
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_sockets: list[str]) -> None:
-    """A front process's main (spawned): this front's settings from `env`, its app's service the engines."""
-    die_with_parent()
-    os.environ.update(env)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
-    import uvicorn
-
-    from app import logs
-    from app.edge import bounded_http
-    from app.main import create_app
-    from app.serving.front import RemoteService
-
-    settings = Settings.from_env()
-    service = RemoteService(engine_sockets, Path(run_dir), instance, settings.front_arena_bytes,
-                            settings.front_inflight_bytes)
-    app = create_app(settings, service=service)
-    config = uvicorn.Config(app, loop="uvloop", http=bounded_http(settings.max_request_head_bytes,
-                                                                  settings.request_read_timeout_s),
-                            log_config=logs.config(settings.log_level, settings.log_format),
-                            access_log=settings.access_log, timeout_graceful_shutdown=25)
-    uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])
+FrontMain = Callable[[dict[str, str], int, str, str, list[str]], None]
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, fronts: int):
+    def __init__(self, settings: Settings, fronts: int, front_main: FrontMain | None = None):
+        """`front_main(env, index, run_dir, instance, engine_sockets)`: a front process's main (app/front_main.py: the
+        HTTP app, which stands on this package, is handed in rather than imported)."""
         self.settings = settings
+        self.front_main = front_main
         self.instance = str(settings.port)
         self.run_dir = Path()  # made by `run`, once the port is ours
         self.engine_envs = engine_envs(settings)
@@ -313,7 +280,7 @@ class Supervisor:
                                                              self.engine_sockets[child.index]),
                                     name=f"qgemm-engine-{child.index}", daemon=False)
         else:
-            process = SPAWN.Process(target=run_front, name=f"qgemm-front-{child.index}", daemon=False,
+            process = SPAWN.Process(target=self.front_main, name=f"qgemm-front-{child.index}", daemon=False,
                                     args=(self.env, child.index, str(self.run_dir), self.instance,
                                           self.engine_sockets))
         process.start()
@@ -490,6 +457,6 @@ class Supervisor:
         return 1 if forced else 0
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, front_main: FrontMain) -> int:
     fronts = settings.fronts if settings.fronts is not None else default_fronts()
-    return Supervisor(settings, fronts).run()
+    return Supervisor(settings, fronts, front_main).run()
