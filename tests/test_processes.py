@@ -121,7 +121,9 @@ def test_products_are_the_one_process_servers_bit_for_bit(server: Server, models
 def test_health_and_metrics_cover_every_process(server: Server) -> None:
     h = server.health()
     roles = Counter(p["role"] for p in h["processes"])
-    assert h["status"] == "ok" and roles == {"engine": 1, "front": 2} and h["devices"][0]["device"] == f"{BACKEND}:0"
+    # an engine per device: one on the CPU backend, one per visible GPU on the CUDA backend
+    assert h["status"] == "ok" and roles == {"engine": len(h["devices"]), "front": 2}
+    assert h["devices"][0]["device"] == f"{BACKEND}:0"
     assert all(isinstance(p["pid"], int) and p["state"] == "ok" for p in h["processes"])
     counts = _load(server, 2.0, 6)
     assert counts[200] > 0 and set(counts) == {200}, counts
