@@ -50,7 +50,7 @@ def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.Monk
 
     ran: list[tuple[str, object]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(("uvicorn", kw)))
-    monkeypatch.setattr(supervisor, "serve", lambda settings: ran.append(("supervisor", settings)) or 0)
+    monkeypatch.setattr(supervisor, "serve", lambda settings, front_main: ran.append(("supervisor", settings)) or 0)
     args = argparse.Namespace(ray=False, replicas=None)
     assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123)) == 0
     assert cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu", port=8123, fronts=0)) == 0
@@ -195,7 +195,7 @@ def test_serve_writes_the_demo_only_into_the_default_folder_or_when_asked(monkey
 
     written: list[Path] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
-    monkeypatch.setattr(supervisor, "serve", lambda settings: 0)
+    monkeypatch.setattr(supervisor, "serve", lambda settings, front_main: 0)
     monkeypatch.setattr(demo, "ensure_demo", lambda d: written.append(d) or (d / "demo.gguf", False))
     args = argparse.Namespace(ray=False, replicas=None)
     cli.cmd_serve(args, Settings.from_env(models_dir=tmp_path, backend="cpu"))
