@@ -68,7 +68,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                     loop="uvloop", access_log=settings.access_log,
-                    http=bounded_http(settings.max_request_head_bytes, settings.request_read_timeout_s),
+                    http=bounded_http(settings.max_request_head_bytes, settings.request_read_timeout_s,
+                                      settings.max_connections),
                     log_config=logs.config(settings.log_level, settings.log_format))
         return 0
     from app.serving import supervisor

@@ -1,9 +1,12 @@
 """The HTTP connection's bounds, before any request reaches the app: uvicorn's httptools protocol with a cap on a
 request's head (request line and headers: 431 past `max_request_head_bytes`) and a deadline on reading it and its
 body (408 when a connection sends nothing for `request_read_timeout_s`: a partial request line, unfinished headers,
-a promised body that does not come, a connection that never sends a byte).  uvicorn has neither for httptools: a
-128 MB header froze a front for 20 s, and connections that never finish a request stayed open until the front ran
-out of file descriptors.  Once a request is whole, no deadline runs: a long product is the app's to time.
+a promised body that does not come, a connection that never sends a byte), and a cap on open connections (past
+`max_connections` a new one is answered 503 with Retry-After and closed, before it can take the process's last file
+descriptors).  uvicorn has neither bound for httptools: a 128 MB header froze a front for 20 s, and connections that
+never finish a request stayed open until the front ran out of file descriptors (uvicorn's own cap,
+limit_concurrency, answers text and counts requests too).  Once a request is whole, no deadline runs: a long product
+is the app's to time.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.errors import error_body
 
 
-def _answer(status: int, reason: str, code: str, message: str) -> bytes:
+def _answer(status: int, reason: str, code: str, message: str, retry_after: int | None = None) -> bytes:
     body = json.dumps(error_body(code, message)).encode()
+    retry = f"retry-after: {retry_after}\r\n" if retry_after is not None else ""
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+            f"{retry}connection: close\r\n\r\n").encode() + body
 
 
 class BoundedHttp(HttpToolsProtocol):
     head_limit = 64 << 10
     read_timeout_s = 30.0
+    max_connections = 4096
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -67,6 +72,12 @@ class BoundedHttp(HttpToolsProtocol):
     # -- uvicorn's protocol ----------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_answer(503, "Service Unavailable", "too_many_connections",
+                                    f"this process holds {self.max_connections} open connections "
+                                    "(QGEMM_MAX_CONNECTIONS): retry after the Retry-After seconds", retry_after=1))
+            transport.close()
+            return
         self._arm()  # a connection that never sends a request
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -110,6 +121,18 @@ class BoundedHttp(HttpToolsProtocol):
         super().on_message_complete()
 
 
-def bounded_http(head_limit: int, read_timeout_s: float) -> type[BoundedHttp]:
+def connection_cap(setting: int | None) -> int:
+    """The setting, or (unset) what the process's open-file limit leaves room for: 64 descriptors kept for the
+    process's own files, sockets and shared memory, at most 10,000 connections."""
+    if setting is not None:
+        return setting
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 10_000 if soft == resource.RLIM_INFINITY else max(16, min(10_000, soft - 64))
+
+
+def bounded_http(head_limit: int, read_timeout_s: float, max_connections: int | None = None) -> type[BoundedHttp]:
     """The protocol class uvicorn takes (`http=`), with these bounds."""
-    return type("BoundedHttp", (BoundedHttp,), {"head_limit": head_limit, "read_timeout_s": read_timeout_s})
+    return type("BoundedHttp", (BoundedHttp,), {"head_limit": head_limit, "read_timeout_s": read_timeout_s,
+                                                "max_connections": connection_cap(max_connections)})

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
                                                          "placed, replicated and split as on GPUs")
     pinned_output_bytes: int = Field(1024 * MiB, ge=0, description="page-locked host memory that outputs of 1 MiB "
                                                                    "and more are written into by the GPU; 0: off")
+    max_connections: int | None = Field(None, ge=1, description="open HTTP connections each HTTP process keeps (past "
+                                                                  "it a new one is answered 503 with Retry-After); "
+                                                                  "unset: the open-file limit less 64, at most 10000")
     dependent_launch: bool = Field(True, description="on sm_90+, M = 1 products overlap their neighbours "
                                                      "(programmatic dependent launch)")
     cuda_graphs: bool = Field(True, description="products of up to 64 rows replay a CUDA graph captured at their "

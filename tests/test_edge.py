@@ -94,3 +94,26 @@ def test_a_slow_but_steady_body_is_served(server: Server) -> None:
     pieces = [head, *(body[i:i + 40] for i in range(0, len(body), 40))]
     status, answer, took = _exchange(server, pieces, pause=0.6)
     assert status == 200 and answer["shape"] == [1, 33] and took > 0.6 * (len(pieces) - 1)
+
+
+def test_connections_past_the_cap_are_503_with_retry_after(models_dir: Path) -> None:
+    """QGEMM_MAX_CONNECTIONS open connections (here idle) held: the next is answered 503 too_many_connections with
+    Retry-After and closed, and once they go the process serves again."""
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_MAX_CONNECTIONS="4").start()
+    try:
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
+        time.sleep(0.3)  # accepted by the front
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.settimeout(10)
+            data = b""
+            while chunk := sock.recv(1 << 16):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        for sock in held:
+            sock.close()
+        time.sleep(0.3)
+        _still_serves(s)
+    finally:
+        s.stop()
