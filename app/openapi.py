@@ -38,6 +38,7 @@ WHY = {
     500: "A fault of the server's own (`internal`), never an answer to what the client sent: the error carries a "
          "`request_id` under which the server logged it, and the connection stays usable.",
     503: "The GPU is out of memory for these weights (`gpu_out_of_memory`); retry after the Retry-After seconds.",
+    504: "The product took longer than QGEMM_PRODUCT_DEADLINE_S (`product_timeout`).",
 }
 GUARDS = (400, 413, 500)  # BodyLimit, request validation and errors.Unhandled, on every route
 ERROR_REF = "#/components/schemas/ErrorResponse"

@@ -61,6 +61,8 @@ class Settings(BaseSettings):
                                                        "into chunks of this many")
     batch_wait_us: int = Field(100, ge=0, description="after a product, when others queue, how long to take in "
                                                       "more requests before the next; 0 turns batching off")
+    product_deadline_s: float = Field(120.0, gt=0, description="seconds a product may take from its check to its "
+                                                               "answer; past it the request is answered 504")
     engine_deadline_s: float = Field(10.0, gt=0, description="seconds an engine process may leave the supervisor's "
                                                              "ping unanswered before it is killed and started again "
                                                              "(its waiting requests answered 503)")

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -115,5 +116,32 @@ def test_connections_past_the_cap_are_503_with_retry_after(models_dir: Path) -> 
             sock.close()
         time.sleep(0.3)
         _still_serves(s)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("deployment", ["in-process", "fronts"])
+def test_a_product_past_its_deadline_is_504_and_the_server_serves_on(models_dir: Path, deployment: str) -> None:
+    """QGEMM_PRODUCT_DEADLINE_S bounds a product from its check to its answer (here a microsecond: every product is
+    late), in both deployments; the engine's late answer lets go of its memory, and the server keeps answering."""
+    from tests.conftest import make_client
+
+    body = npy(np.ones((3, 4096), np.float32))
+    params = {"model": "demo", "tensor": "blk.0.attn_q.weight"}
+    headers = {"Content-Type": "application/x-npy"}
+    if deployment == "in-process":
+        with make_client(models_dir, product_deadline_s=1e-6) as c:
+            for _ in range(3):
+                r = c.post("/v1/matmul", params=params, content=body, headers=headers)
+                assert r.status_code == 504 and r.json()["error"]["code"] == "product_timeout", r.text
+            assert c.get("/healthz").status_code == 200
+        return
+    s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_PRODUCT_DEADLINE_S="0.000001").start()
+    try:
+        for _ in range(20):
+            r = httpx.post(f"{s.url}/v1/matmul", params=params, content=body, headers=headers, timeout=30)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "product_timeout", r.text
+        time.sleep(0.5)
+        assert httpx.get(f"{s.url}/healthz", timeout=10).json()["status"] == "ok"
     finally:
         s.stop()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -184,7 +185,7 @@ def operation() -> dict:
                                 NPY: {"schema": {"type": "string", "format": "binary"}}},
                     "headers": {h: {"description": d, "schema": {"type": "string"}}
                                 for h, d in MATMUL_HEADERS.items()}},
-            **{str(status): error_entry(status) for status in (404, 409, 415, 422, 503)}},
+            **{str(status): error_entry(status) for status in (404, 409, 415, 422, 503, 504)}},
     }
 
 
@@ -248,7 +249,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
         checked = check_request(await state.service.chooser(), info, scheme, x.shape, kernel_obj,
                                 state.settings.max_rows)
         try:
-            answer = await state.service.matmul(mdl, checked, x)
+            answer = await _within_deadline(state.service.matmul(mdl, checked, x), state.settings.product_deadline_s)
             break
         except FileChanged:
             if attempt:
@@ -261,6 +262,15 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     finally:
         if answer.release is not None and not sent_in_place:
             answer.release()
+
+
+async def _within_deadline(product: Awaitable[Answer], seconds: float) -> Answer:
+    """The product, or 504 after `seconds` (the engine may still finish it: its memory is let go once it does)."""
+    try:
+        return await asyncio.wait_for(product, seconds)
+    except TimeoutError:
+        raise ApiError(504, "product_timeout", f"the product took longer than {seconds:g} s "
+                                               "(QGEMM_PRODUCT_DEADLINE_S)") from None
 
 
 def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, scheme: Scheme | None,
