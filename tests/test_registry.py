@@ -3,6 +3,10 @@ layout for each type it takes, a way to run), and every kernel this machine can 
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -163,3 +167,42 @@ def test_auto_on_a_gpu_picks_ggml_s_float_kernel(type_name: str, m: int, n: int,
     from kernels import tuning
 
     assert tuning.pick(_Hopper(), type_name, m, n, k).name == kernel
+
+
+class _Hopper:
+    """What `pick` asks of a backend: an H100's compute capability, every module built."""
+
+    def __init__(self, cc: int) -> None:
+        self.cc = cc
+
+    def kernel_reason(self, kernel: object) -> None:
+        return None
+
+
+AUTO_SNAPSHOT = Path(__file__).parent / "data" / "auto_picks.json"
+
+
+def _auto_picks() -> dict[str, str]:
+    from kernels.tuning import pick
+
+    picks = {}
+    types = sorted(MATMUL_TYPES)
+    for cc in (80, 90):
+        for t in types:
+            for m in (1, 2, 3, 5, 8, 9, 16, 17, 32, 64, 65, 128, 256, 512, 1024):
+                for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (576, 1536), (49152, 576)):
+                    spec = pick(_Hopper(cc), t, m, n, k)
+                    picks[f"sm_{cc} {t} M={m} N={n} K={k}"] = spec.name if spec is not None else "cpu reference"
+    return picks
+
+
+def test_auto_picks_are_those_of_the_snapshot() -> None:
+    """auto's choice for every format, compute capability 8.0 and 9.0, M from 1 to 1,024 on real models' shapes,
+    against a committed snapshot: a refactor must not move a pick (a deliberate change of the table or of a kernel
+    writes a new snapshot: QGEMM_UPDATE_AUTO_PICKS=1)."""
+    picks = _auto_picks()
+    if os.environ.get("QGEMM_UPDATE_AUTO_PICKS"):
+        AUTO_SNAPSHOT.write_text(json.dumps(picks, indent=0, sort_keys=True) + "\n")
+    want = json.loads(AUTO_SNAPSHOT.read_text())
+    moved = {key: (want.get(key), got) for key, got in picks.items() if want.get(key) != got}
+    assert not moved, f"{len(moved)} picks moved, e.g. {list(moved.items())[:5]}"
