@@ -46,7 +46,8 @@ class Metrics:
                                          registry=r)
 
     def render(self, extra: str = "") -> bytes:
-        """The exposition text: this process's registry, or every front's (multiprocess), then `extra`."""
+        """The exposition text: this process's registry, or every front's (multiprocess), merged with `extra` (the
+        engines'): each family once, as strict parsers require."""
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import multiprocess
 
@@ -54,7 +55,10 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
         else:
             registry = self.registry
-        return generate_latest(registry) + extra.encode()
+        own = generate_latest(registry)
+        if not extra:
+            return own
+        return merge_exposition([own.decode(), extra]).encode()  # a family the engines also declare appears once
 
     def observe_batch(self, requests: int, rows: int) -> None:
         self.batch_requests.observe(requests)

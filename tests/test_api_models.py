@@ -26,6 +26,34 @@ def test_healthz(client: TestClient) -> None:
     assert r.json()["status"] == "ok" and r.json()["backend"] == "cpu"
 
 
+def test_metrics_are_strict_exposition_text(client: TestClient) -> None:
+    """/metrics as a strict parser (promtool) takes it, in every deployment: each family's HELP and TYPE once,
+    before its samples, which come together and carry its name; the engines' families merged with the fronts'."""
+    import re
+
+    assert client.post("/v1/matmul", json={"model": "demo", "tensor": "blk.0.attn_q.weight",
+                                           "activations": [[0.5] * 4096]}).status_code == 200
+    text = client.get("/metrics").text
+    helps, types, done, current = set(), {}, set(), None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name = line.split()[2]
+            assert name not in helps, f"HELP {name} twice"
+            helps.add(name)
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert name not in types, f"TYPE {name} twice"
+            types[name] = kind
+            if current is not None:
+                done.add(current)
+            current = name
+        elif line and not line.startswith("#"):
+            sample = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+            family = next((f for f in (current,) if f and (sample == f or sample.startswith(f + "_"))), None)
+            assert family is not None and family not in done, f"{sample} outside its family {current}"
+    assert {"qgemm_http_requests_total", "qgemm_http_request_seconds", "qgemm_batch_requests"} <= set(types)
+
+
 def test_readyz_is_healthz_with_the_status_it_means(client: TestClient) -> None:
     r = client.get("/readyz")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["version"]
