@@ -8,6 +8,7 @@ import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -31,6 +32,7 @@ from app.schemas import (
 )
 from app.tensors import scheme_of
 from kernels.bnb4 import BLOCKSIZES, DEFAULT_BLOCKSIZE
+from kernels.kernel import Kernel
 from kernels.requant import WEIGHT_FORMATS, Scheme
 from kernels.select import KernelChooser
 from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
@@ -233,27 +235,14 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
         model_id, tensor_name = model, tensor
         kernel_obj = kernel if kernel == "auto" else kernel_obj
     scheme = scheme_of(*requant) if requant else None
-    state = request.app.state
-    x = None
-    for attempt in (0, 1):  # a file that changes under a request is read again, and the request run again once
-        try:  # the tensor as its file is now (a re-read, seconds for a large header, off the event loop)
-            mdl, info = ModelStore.tensor_of(await state.store.current(model_id), tensor_name)
-        except NotFound as exc:
-            raise ApiError(404, "not_found", str(exc)) from None
-        if x is None:
-            if ctype == NPY:
-                x = parse_npy(body)
-            else:
-                x = rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
-                    else await run_in_threadpool(rows_to_array, req.activations)
-        checked = check_request(await state.service.chooser(), info, scheme, x.shape, kernel_obj,
-                                state.settings.max_rows)
-        try:
-            answer = await _within_deadline(state.service.matmul(mdl, checked, x), state.settings.product_deadline_s)
-            break
-        except FileChanged:
-            if attempt:
-                raise
+
+    async def x_of() -> np.ndarray:
+        if ctype == NPY:
+            return parse_npy(body)
+        return rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
+            else await run_in_threadpool(rows_to_array, req.activations)
+
+    answer, mdl, info = await multiply(request.app.state, model_id, tensor_name, kernel_obj, scheme, x_of)
     sent_in_place = False
     try:
         response = _respond(request, answer, mdl, info, scheme, t_request)
@@ -262,6 +251,30 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     finally:
         if answer.release is not None and not sent_in_place:
             answer.release()
+
+
+async def multiply(state: Any, model_id: str, tensor_name: str, kernel: str | Kernel, scheme: Scheme | None,
+                   x_of: Callable[[], Awaitable[np.ndarray]]) -> tuple[Answer, Model, TensorInfo]:
+    """A product request's one path, whichever protocol brought it (this route, the Open Inference Protocol's
+    infer): the tensor as its file is now (404), X (`x_of`, parsed once the tensor is known), the checks
+    (app/checks.py), the product within its deadline; a file that changes under it is read again and the product
+    run again once."""
+    x = None
+    for attempt in (0, 1):
+        try:  # the tensor as its file is now (a re-read, seconds for a large header, off the event loop)
+            mdl, info = ModelStore.tensor_of(await state.store.current(model_id), tensor_name)
+        except NotFound as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
+        if x is None:
+            x = await x_of()
+        checked = check_request(await state.service.chooser(), info, scheme, x.shape, kernel, state.settings.max_rows)
+        try:
+            return await _within_deadline(state.service.matmul(mdl, checked, x), state.settings.product_deadline_s), \
+                mdl, info
+        except FileChanged:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def _within_deadline(product: Awaitable[Answer], seconds: float) -> Answer:
