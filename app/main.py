@@ -16,7 +16,7 @@ from app import __version__, errors, hot_path, openapi, web
 from app.announce import announce_urls, announce_version
 from app.limits import BodyLimit, require_api_key
 from app.metrics import Metrics, RequestMetrics
-from app.routes import matmul, models, system
+from app.routes import inference, matmul, models, system
 from app.service import LocalService, open_engine
 
 if TYPE_CHECKING:
@@ -83,11 +83,15 @@ def create_app(settings: Settings | None = None, service: RemoteService | None =
     v1.include_router(system.router)
     app.include_router(system.health_router)
     app.include_router(v1)
+    app.include_router(inference.health)  # the Open Inference Protocol (KServe v2) beside the native API
+    app.include_router(inference.router)
+    app.add_exception_handler(inference.V2Error, inference.v2_error)
     web.install(app)  # the pages (/, /ui/...) over the same /v1 API
     # POST /v1/matmul: a plain route, first (the hot path), documented by app/openapi.py
     app.router.routes.insert(0, Route("/v1/matmul", matmul.matmul, methods=["POST"], include_in_schema=False))
     app.add_middleware(errors.Unhandled)  # innermost of ours: the metrics count its 500s
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(RequestMetrics, metrics=metrics, templates=lambda: list(app.openapi()["paths"]))
+    app.add_middleware(RequestMetrics, metrics=metrics,
+                       templates=lambda: [*inference.TEMPLATES, *app.openapi()["paths"]])
     hot_path.install(app, metrics, settings.max_body_bytes)  # POST /v1/matmul around all of the above
     return app

@@ -109,10 +109,10 @@ class RequestMetrics:
 
     def template(self, path: str) -> str:
         """The route template a path matched (from the OpenAPI paths: routers nested under a prefix
-        know only their own part of it), or "(unmatched)"."""
+        know only their own part of it; `{name:path}` takes slashes), or "(unmatched)"."""
         if self._patterns is None:
-            self._patterns = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(t)) + "$"), t)
-                              for t in self.templates()]
+            self._patterns = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.sub(
+                r"\\{[^/]+?:path\\}", ".+", re.escape(t))) + "$"), t) for t in self.templates()]
         return next((t for pattern, t in self._patterns if pattern.match(path)), "(unmatched)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -86,7 +86,7 @@ class Server:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
                 h = self.health()
-                if h["status"] == "ok" and all(p["state"] == "ok" for p in h["processes"]):
+                if h["status"] == "ok" and all(p["state"] == "ok" for p in h.get("processes") or []):
                     return time.monotonic() - t0
             except (httpx.HTTPError, ValueError, KeyError):
                 pass

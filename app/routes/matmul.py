@@ -236,7 +236,7 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
         kernel_obj = kernel if kernel == "auto" else kernel_obj
     scheme = scheme_of(*requant) if requant else None
 
-    async def x_of() -> np.ndarray:
+    async def x_of(_: TensorInfo) -> np.ndarray:
         if ctype == NPY:
             return parse_npy(body)
         return rows_to_array(req.activations) if len(body) <= INLINE_BYTES \
@@ -254,9 +254,9 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
 
 
 async def multiply(state: Any, model_id: str, tensor_name: str, kernel: str | Kernel, scheme: Scheme | None,
-                   x_of: Callable[[], Awaitable[np.ndarray]]) -> tuple[Answer, Model, TensorInfo]:
+                   x_of: Callable[[TensorInfo], Awaitable[np.ndarray]]) -> tuple[Answer, Model, TensorInfo]:
     """A product request's one path, whichever protocol brought it (this route, the Open Inference Protocol's
-    infer): the tensor as its file is now (404), X (`x_of`, parsed once the tensor is known), the checks
+    infer): the tensor as its file is now (404), X (`x_of(tensor)`, parsed once the tensor is known), the checks
     (app/checks.py), the product within its deadline; a file that changes under it is read again and the product
     run again once."""
     x = None
@@ -266,7 +266,7 @@ async def multiply(state: Any, model_id: str, tensor_name: str, kernel: str | Ke
         except NotFound as exc:
             raise ApiError(404, "not_found", str(exc)) from None
         if x is None:
-            x = await x_of()
+            x = await x_of(info)
         checked = check_request(await state.service.chooser(), info, scheme, x.shape, kernel, state.settings.max_rows)
         try:
             return await _within_deadline(state.service.matmul(mdl, checked, x), state.settings.product_deadline_s), \
