@@ -21,12 +21,36 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _unwritable(command: str, settings: Settings, exc: OSError) -> str:
+    also = (", or set QGEMM_WRITE_DEMO=false (--no-write-demo) to serve the models already there"
+            if command == "serve" else "")
+    return (f"qgemm {command}: cannot write the demo model into {settings.models_dir} ({exc.strerror or exc}): "
+            f"point QGEMM_MODELS_DIR (--models-dir) at a folder this user can write{also}")
+
+
+def _file_type_name(v: int) -> str:
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(v).name
+    except ValueError:
+        return "unknown to gguf"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def cmd_fetch(args: argparse.Namespace, settings: Settings) -> int:
     from models.demo import ensure_demo
     from models.fetch import MODELS, FetchError, fetch
 
     print(f"models directory: {settings.models_dir}", file=sys.stderr)
-    path, wrote = ensure_demo(settings.models_dir)
+    try:
+        path, wrote = ensure_demo(settings.models_dir)
+    except OSError as exc:
+        print(_unwritable("fetch", settings, exc), file=sys.stderr)
+        return 2
     print(f"{'wrote' if wrote else 'have '} {path} ({_fmt_bytes(path.stat().st_size)}, generated)")
     if args.demo_only:
         return 0
@@ -56,7 +80,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             print(f"qgemm serve: QGEMM_BACKEND=cuda, but no CUDA device can serve: {reason}", file=sys.stderr)
             return 2
     if settings.write_demo or (settings.write_demo is None and settings.models_dir == default_models_dir()):
-        path, wrote = ensure_demo(settings.models_dir)
+        try:
+            path, wrote = ensure_demo(settings.models_dir)
+        except OSError as exc:
+            print(_unwritable("serve", settings, exc), file=sys.stderr)
+            return 2
         if wrote:
             print(f"wrote the demo model: {path}", file=sys.stderr)
     if args.ray:
@@ -176,15 +204,17 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
         print(f"  error: {info['error']}")
         return 1
     h = info["header"]
-    print(f"  GGUF v{h['version']}, {h['tensor_count']} tensors, {h['kv_count']} metadata keys, "
+    print(f"  GGUF v{h['version']}, {_count(h['tensor_count'], 'tensor')}, {_count(h['kv_count'], 'metadata key')}, "
           f"alignment {h['alignment']}, data at byte {h['data_offset']}")
     print("\nmetadata:")
     for k, v in info["metadata"].items():
         text = json.dumps(v, default=str, ensure_ascii=False)
+        if k == "general.file_type" and isinstance(v, int):  # llama.cpp's enum: say its name
+            text += f" ({_file_type_name(v)})"
         print(f"  {k:<44} {text if len(text) <= 100 else text[:97] + '...'}")
     print("\ntensor types:")
     for t, s in info["tensor_types"].items():
-        print(f"  {t:<6} {s['count']:>5} tensors  {_fmt_bytes(s['n_bytes']):>10}")
+        print(f"  {t:<8} {_count(s['count'], 'tensor'):>12}  {_fmt_bytes(s['n_bytes']):>10}")
     print(f"  mix: {info['quant_mix']['summary']}")
     print(f"\n  {'name':<36} {'type':<6} {'shape [N, K]':<16} {'bytes':>10}  matmul")
     for t in info["tensors"]:

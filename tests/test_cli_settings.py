@@ -247,3 +247,16 @@ def test_an_unusable_gpu_is_explained_with_its_fix() -> None:
     assert "update the NVIDIA driver" in why_no_cuda("CuPy is not installed (cupy)", "470.1")
     old = why_no_cuda("CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is insufficient", "535.1")
     assert "535.1 is too old" in old and "qgemm[cuda12]" in old
+
+
+def test_a_models_directory_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """No traceback: the folder, why, and the setting that fixes it (in Docker, a root-owned bind mount)."""
+    from app import cli
+
+    monkeypatch.setenv("QGEMM_MODELS_DIR", "/dev/null/models")  # under a file: no user can make it
+    assert cli.main(["fetch", "--demo-only"]) == 2
+    assert cli.main(["serve", "--write-demo"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the demo model into /dev/null/models" in err and "QGEMM_WRITE_DEMO=false" in err
+    assert "Traceback" not in err

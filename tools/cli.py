@@ -40,6 +40,7 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
     if r.status_code != 200:
         print(f"error: {r.status_code} {r.text}", file=sys.stderr)
         return 1
+    backend = httpx.get(f"{url}/healthz", headers=headers, timeout=30).json().get("backend")
     rows = []
     for m in args.m:
         for clients in args.clients:
@@ -49,9 +50,10 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
                 print(f"M={m} clients={clients} {fmt}:", file=sys.stderr)
                 row = loadtest.run(plan, args.processes)
                 rows.append({**row, "label": args.label} if args.label else row)
+                gpu = f"{row['gpu_share']:.1%}" if backend == "cuda" else "n/a (CPU backend)"
                 print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
                       f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
-                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {row['gpu_share']:.1%}",
+                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {gpu}",
                       file=sys.stderr)
                 if row["cpu_us_per_request"]:
                     print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
