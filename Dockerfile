@@ -18,16 +18,19 @@ ENV VIRTUAL_ENV=/opt/qgemm/.venv PATH=/opt/qgemm/.venv/bin:$PATH
 WORKDIR /opt/qgemm
 RUN python3 -m venv $VIRTUAL_ENV && pip install --no-cache-dir --upgrade pip
 # dependencies first, in their own layer: a change to the code does not download them again
-COPY pyproject.toml README.md ./
-RUN mkdir -p app kernels models tools && touch app/__init__.py kernels/__init__.py models/__init__.py \
-    tools/__init__.py \
- && pip install --no-cache-dir ".[$( [ "$CUDA" = 12 ] && echo cuda12 || echo cuda )]" \
+# (pyproject.toml alone: README.md, which it names, is a placeholder here, so that editing it keeps this layer)
+COPY pyproject.toml ./
+RUN mkdir -p app kernels models tools qgemm && touch README.md app/__init__.py kernels/__init__.py \
+    models/__init__.py tools/__init__.py qgemm/__init__.py \
+ && pip install --quiet --no-cache-dir ".[$( [ "$CUDA" = 12 ] && echo cuda12 || echo cuda )]" \
  && pip uninstall -y qgemm
+COPY README.md ./
 COPY app ./app
 COPY kernels ./kernels
 COPY models ./models
 COPY tools ./tools
-RUN pip install --no-cache-dir --no-deps .
+COPY qgemm ./qgemm
+RUN pip install --quiet --no-cache-dir --no-deps .
 
 # ---- run: the CUDA runtime image, the environment, no compilers -------------------------------------------
 FROM ${CUDA_IMAGE_13} AS run-13
