@@ -196,9 +196,20 @@ def test_npy_of_wrong_dtype_is_422(client: TestClient) -> None:
 
 
 def test_unsupported_content_type_is_415(client: TestClient) -> None:
-    for ctype in ("text/plain", "application/octet-stream", ""):
+    for ctype in ("text/plain", "application/xml", ""):
         status, body = _raw(client, b"abc", ctype)
         assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+
+
+def test_octet_stream_takes_the_npy_bytes(client: TestClient, rng: np.random.Generator) -> None:
+    """`application/octet-stream` (how generated clients send a file) is the same .npy body; not .npy: 400."""
+    x = rng.standard_normal((2, 4096)).astype(np.float32)
+    q = {"model": "demo", "tensor": "blk.0.attn_q.weight", "kernel": "ref_f32"}
+    got = [client.post("/v1/matmul", params=q, content=npy(x), headers={"Content-Type": ctype}).json()
+           for ctype in ("application/octet-stream", "application/x-npy")]
+    assert got[0]["output"] == got[1]["output"] and got[0]["kernel"] == "ref_f32"
+    status, body = _raw(client, b"abc", "application/octet-stream", "?model=demo&tensor=tiny.q4_0.weight")
+    assert status == 400 and body["error"]["code"] == "bad_npy"
 
 
 def test_unknown_model_or_tensor_is_404(client: TestClient) -> None:

@@ -38,6 +38,7 @@ from kernels.select import KernelChooser
 from models.store import FileChanged, Model, ModelStore, NotFound, TensorInfo
 
 NPY = "application/x-npy"
+OCTETS = "application/octet-stream"  # the same .npy bytes: generated clients send a file so
 JSON = "application/json"
 INLINE_BYTES = 1 << 18  # JSON bodies up to this size are parsed on the event loop (a thread hop costs more)
 IN_PLACE_BYTES = 1 << 20  # .npy answers this large are sent from the output's own memory, not copied into a body
@@ -140,10 +141,12 @@ REQUEST_BODY = {
     "description": "JSON: a MatmulRequest. Or `application/x-npy`: a NumPy .npy file (float32 or float64, 2-D [M, K], "
                    "no pickles) with `model`, `tensor` and `kernel` as query parameters, e.g. "
                    f"`curl --data-binary @x.npy -H 'Content-Type: {NPY}' "
-                   f"'.../v1/matmul?model={DEMO_MODEL}&tensor={DEMO_TENSOR}'`.",
+                   f"'.../v1/matmul?model={DEMO_MODEL}&tensor={DEMO_TENSOR}'`. `{OCTETS}` takes the same .npy bytes "
+                   "(what generated clients send as a file).",
     "content": {JSON: {"schema": MatmulRequest.model_json_schema()},
-                NPY: {"schema": {"type": "string", "format": "binary",
-                                 "description": f"a .npy file holding X [M, K] (K = {DEMO_K} for {DEMO_TENSOR})"}}},
+                **{media: {"schema": {"type": "string", "format": "binary",
+                                      "description": f"a .npy file holding X [M, K] (K = {DEMO_K} for {DEMO_TENSOR})"}}
+                   for media in (NPY, OCTETS)}},
 }
 
 
@@ -214,9 +217,11 @@ async def handle(request: Request, model: str | None, tensor: str | None, kernel
     if kernel != "auto":  # checked wherever it appears, although a JSON body names its own kernel
         kernel_obj = KernelChooser.named(kernel)
     ctype = _media(request.headers.get("content-type"))
+    if ctype == OCTETS:
+        ctype = NPY
     if ctype not in (JSON, NPY):
         raise ApiError(415, "unsupported_media_type",
-                       f"Content-Type must be {JSON} or {NPY}, not {ctype or 'missing'}")
+                       f"Content-Type must be {JSON} or {NPY} ({OCTETS}), not {ctype or 'missing'}")
     limit = request.app.state.settings.max_json_body_bytes
     if ctype == JSON and int(request.headers.get("content-length") or 0) > limit:
         raise _json_too_large(limit)
