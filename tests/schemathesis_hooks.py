@@ -29,6 +29,7 @@ from kernels.registry import KERNELS
 from models.store import ModelStore
 
 NPY = "application/x-npy"
+OCTETS = "application/octet-stream"  # the same .npy bytes
 MAX_ROWS = 4
 VALUE_LIMIT = 1000.0  # |x| * 32 stays under half's 65504: no Q8_1 block overflows, whatever the format
 
@@ -109,7 +110,7 @@ def fit_to_tensor(ctx: schemathesis.HookContext, case: schemathesis.Case) -> sch
     if (case.media_type in (None, "application/json") and isinstance(case.body, dict)
             and isinstance(case.body.get("activations"), list)):
         case.body = shapes().fit_json(case.body)
-    elif case.media_type == NPY and case.query:
+    elif case.media_type in (NPY, OCTETS) and case.query:
         case.query = shapes().fit_query(case.query)
     return case
 
@@ -120,7 +121,7 @@ def fit_examples(ctx: schemathesis.HookContext, examples: list[schemathesis.Case
         fit_to_tensor(ctx, case)
 
 
-@schemathesis.serializer(NPY)
+@schemathesis.serializer(NPY, OCTETS)
 def npy_body(ctx: schemathesis.SerializationContext, value: object) -> bytes:
     """A positive .npy case's body stands for "a .npy X for this tensor", written here on the wire only:
     schemathesis judges a binary body that a hook rewrites as negative."""

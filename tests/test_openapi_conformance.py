@@ -86,7 +86,8 @@ def test_every_error_entry_is_the_error_model_and_fastapis_422_is_gone() -> None
                     assert ref.endswith("/ErrorResponse") and entry["description"], (method, path, status)
     matmul = doc["paths"]["/v1/matmul"]["post"]
     assert {"404", "415", "422", "503"} <= set(matmul["responses"])
-    assert set(matmul["requestBody"]["content"]) == {"application/json", "application/x-npy"}
+    assert set(matmul["requestBody"]["content"]) == {"application/json", "application/x-npy",
+                                                     "application/octet-stream"}
     assert {p["name"]: p["schema"].get("examples") for p in matmul["parameters"]}["tensor"] == ["tiny.q4_0.weight"]
 
 
