@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--tensor", action="append", required=True, help="a tensor to keep (repeatable)")
+    return dispatch(parser, argv, {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut},
+                    logs_by_command=("serve",))
+
+
+Command = Callable[[argparse.Namespace, Settings], int]
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str], commands: dict[str, Command],
+             logs_by_command: tuple[str, ...] = ()) -> int:
+    """Parse `argv`, build the settings (a bad one: one line, exit 2), set up logging (except for the commands
+    that do their own) and run the command (help where none is named); the tools' CLI runs the same way."""
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -331,11 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"qgemm: bad setting: {exc}", file=sys.stderr)
         return 2
-    if args.command != "serve":
+    if args.command not in logs_by_command:
         from app import logs
 
         logs.setup(settings.log_level, settings.log_format)
-    commands = {"fetch": cmd_fetch, "serve": cmd_serve, "inspect": cmd_inspect, "cut": cmd_cut}
     return commands[args.command](args, settings)
 
 

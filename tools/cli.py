@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli import SettingsError, settings_of
+from app.cli import dispatch
 from app.settings import Settings
 
 
@@ -114,17 +114,5 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON report here too")
     sub.add_parser("parity", help="qgemm's products against ggml's own on the same bytes (qgemm parity --help)")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    try:
-        settings = settings_of(args)
-    except SettingsError as exc:
-        print(f"qgemm: bad setting: {exc}", file=sys.stderr)
-        return 2
-    from app import logs
-
-    logs.setup(settings.log_level, settings.log_format)
-    commands = {"bench": cmd_bench, "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest, "soak": cmd_soak}
-    return commands[args.command](args, settings)
+    return dispatch(parser, argv, {"bench": cmd_bench, "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest,
+                                   "soak": cmd_soak})

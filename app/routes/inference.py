@@ -4,7 +4,7 @@ and KServe's clients and load tools reach qgemm unmodified.
 A v2 model is a (GGUF model, tensor) pair, named the way the native API names it: `MODEL/TENSOR`, e.g.
 `demo/blk.0.attn_q.weight` (a model id holds no slash).  Its one input `x` is FP32 [-1, K] and its one output `y`
 FP32 [-1, N]; version "1".  Request parameters `kernel`, `weight_format`, `blocksize` and `double_quant` are the
-native route's; the answer's parameters carry the kernel, backend, activation format, devices, batch and each
+native route's; the answer's parameters hold the kernel, backend, activation format, devices, batch and each
 timing step (`gemm_ms`, ...).  Tensors travel as JSON `data` (flat, row-major, or nested) or by the binary tensor
 data extension (`Inference-Header-Content-Length`, `binary_data_size`, `binary_data` / `binary_data_output`).
 The model repository extension lists every pair (`POST /v2/repository/index`); load and unload are not offered.
@@ -145,34 +145,28 @@ async def repository_index(request: Request) -> Response:
 
 
 # -- models ---------------------------------------------------------------------------------------------------------
-async def _model_ready(request: Request, name: str, version: str | None) -> Response:
+async def _model(request: Request, name: str, version: str | None, readiness: bool) -> Response:
+    """A model's metadata, or (`readiness`) whether it is ready: 400 where the tensor is no matrix qgemm multiplies."""
     try:
         _version(version)
         _, info = await _tensor(request, name)
     except MAPPED as exc:
         return _as_v2(exc)
+    if not readiness:
+        return _json(_metadata(name, info))
     if not info.matmul:
         return _error(400, f"{name} is not a matrix qgemm multiplies ({info.type_name} {list(info.shape)})")
     return _json({"name": name, "ready": True})
 
 
-async def _model_metadata(request: Request, name: str, version: str | None) -> Response:
-    try:
-        _version(version)
-        _, info = await _tensor(request, name)
-    except MAPPED as exc:
-        return _as_v2(exc)
-    return _json(_metadata(name, info))
-
-
 @router.get("/models/{name:path}/versions/{version}/ready")
 async def model_version_ready(request: Request, name: str, version: str) -> Response:
-    return await _model_ready(request, name, version)
+    return await _model(request, name, version, readiness=True)
 
 
 @router.get("/models/{name:path}/ready")
 async def model_ready(request: Request, name: str) -> Response:
-    return await _model_ready(request, name, None)
+    return await _model(request, name, None, readiness=True)
 
 
 @router.post("/models/{name:path}/versions/{version}/infer")
@@ -187,12 +181,12 @@ async def infer(request: Request, name: str) -> Response:
 
 @router.get("/models/{name:path}/versions/{version}")
 async def model_version_metadata(request: Request, name: str, version: str) -> Response:
-    return await _model_metadata(request, name, version)
+    return await _model(request, name, version, readiness=False)
 
 
 @router.get("/models/{name:path}")
 async def model_metadata(request: Request, name: str) -> Response:
-    return await _model_metadata(request, name, None)
+    return await _model(request, name, None, readiness=False)
 
 
 # -- infer ----------------------------------------------------------------------------------------------------------

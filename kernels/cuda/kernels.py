@@ -160,7 +160,7 @@ class MulMatVecF(CudaKernel):
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Mmq(CudaKernel):
     """mmq (mma.sync, 4 warps) or mmq_wgmma (two warpgroups): the same tiles, layouts and grid; one kernel for
-    every signed weight type (its layouts carry the format), `_min` for formats with a minimum, `mmq16` for a
+    every signed weight type (its layouts hold the format), `_min` for formats with a minimum, `mmq16` for a
     scale per 16 values; mmq_d2 (entry and layout of its own) for Q6_K's folded values in two int8 digits; up to
     32 rows (one row of 64-row tiles, half empty) mma.sync's `_m32` variants, whose four warps share rows 0-31
     instead of leaving two on padding."""
