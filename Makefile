@@ -8,6 +8,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 CUDA   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda)
 BIN    := $(VENV)/bin
+# the build backend's banners (an editable install's advice) are not for the person running make
+QUIET  := PYTHONWARNINGS=ignore
 PYTEST_WORKERS ?= auto
 
 .PHONY: setup setup-test models serve test lint clean
@@ -18,12 +20,12 @@ $(BIN)/python:
 
 # what serving needs (and CUDA's CuPy where there is a GPU)
 $(VENV)/.serve: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.$(if $(CUDA),[$(CUDA)])'
+	$(QUIET) $(BIN)/python -m pip install --quiet -e '.$(if $(CUDA),[$(CUDA)])'
 	touch $@
 
 # and the test extras (pytest, schemathesis, Playwright, Ray, ruff, ...)
 $(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test$(if $(CUDA),$(comma)$(CUDA))]'
+	$(QUIET) $(BIN)/python -m pip install --quiet -e '.[test$(if $(CUDA),$(comma)$(CUDA))]'
 	touch $@ $(VENV)/.serve
 
 comma := ,
