@@ -100,3 +100,29 @@ def test_errors_in_the_protocols_shape(triton, url: str) -> None:
     r = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=b"{", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
     assert httpx.get(f"{url}/v2/models/{MODEL}/versions/2").status_code == 404
+
+
+BAD_BODIES = [
+    b"", b"[]", b'{"inputs": 3}', b'{"inputs": [1]}', b'{"inputs": [{"name": "x"}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP64", "shape": [1, 4096], "data": [0]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, -4096], "data": [0]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 4096], "data": [[1, 2], [3]]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "data": ["a"]}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "parameters": {"binary_data_size": 99}}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 4096], "data": []}]}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "data": [0]}], "parameters": []}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "data": [0]}], "parameters": '
+    b'{"blocksize": "x", "weight_format": "nf4"}}',
+    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4096], "data": [0]}], "outputs": [{"name": "q"}]}',
+]
+
+
+@pytest.mark.parametrize("body", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_bad_infer_bodies_are_4xx_in_the_protocols_shape(url: str, body: bytes) -> None:
+    r = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert 400 <= r.status_code < 500 and isinstance(r.json()["error"], str), (r.status_code, r.text)
+    length = httpx.post(f"{url}/v2/models/{MODEL}/infer", content=b'{"inputs": []}xyz', timeout=60,
+                        headers={"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": "999"})
+    assert length.status_code == 400
+    assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200

@@ -252,6 +252,22 @@ def _binary_out(req: dict[str, Any]) -> bool:
     return any((o.get("parameters") or {}).get("binary_data", False) for o in outputs)
 
 
+def _options(params: Any) -> tuple[Any, Any]:
+    """The request parameters that are the native route's: the kernel (checked) and the weight format."""
+    if not isinstance(params, dict):
+        raise _bad("`parameters` is an object")
+    kernel = str(params.get("kernel", "auto"))
+    kernel_obj = kernel if kernel == "auto" else KernelChooser.named(kernel)
+    if not ("weight_format" in params or "blocksize" in params or "double_quant" in params):
+        return kernel_obj, None
+    try:
+        blocksize = int(params.get("blocksize", DEFAULT_BLOCKSIZE))
+    except (TypeError, ValueError):
+        raise _bad(f"parameter blocksize {params.get('blocksize')!r} is not an integer") from None
+    return kernel_obj, scheme_of(str(params.get("weight_format", "gguf")), blocksize,
+                                 params.get("double_quant", False) is True)
+
+
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     try:
         _version(version)
@@ -259,15 +275,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         body = await request.body()
         size = len(body)
         req, binary = _request(request, body)
-        params = req.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise _bad("`parameters` is an object")
-        kernel = str(params.get("kernel", "auto"))
-        kernel_obj = kernel if kernel == "auto" else KernelChooser.named(kernel)
-        scheme = None
-        if "weight_format" in params or "blocksize" in params or "double_quant" in params:
-            scheme = scheme_of(str(params.get("weight_format", "gguf")),
-                               int(params.get("blocksize", DEFAULT_BLOCKSIZE)), bool(params.get("double_quant", False)))
+        kernel_obj, scheme = _options(req.get("parameters") or {})
         binary_out = _binary_out(req)
 
         async def x_of(info: TensorInfo) -> np.ndarray:
@@ -277,8 +285,6 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             return await run_in_threadpool(_input, req, binary, k)  # JSON numbers into an array: milliseconds
 
         answer, _, _ = await multiply(request.app.state, model_id, tensor, kernel_obj, scheme, x_of)
-    except (ValueError, TypeError) as exc:  # a parameter of the wrong kind
-        return _error(400, f"bad_request: {exc}")
     except MAPPED as exc:
         return _as_v2(exc)
     try:
