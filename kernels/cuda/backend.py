@@ -404,6 +404,8 @@ class CudaBackend:
         except Exception as exc:
             log.warning("a CUDA graph of %s (M=%d, N=%d, K=%d) could not be captured (%s): it runs step by step",
                         spec.name, m, n, k, exc)
+            if len(graphs.failed) > 16 * graphs.kept:  # bounded, like `seen`
+                graphs.failed.clear()
             graphs.failed.add(key)
             return None
         finally:
