@@ -53,7 +53,8 @@ def _native(url: str, x: np.ndarray, kernel: str) -> np.ndarray:
 def test_health_metadata_and_repository(triton) -> None:
     assert triton.is_server_live() and triton.is_server_ready()
     assert "binary_tensor_data" in triton.get_server_metadata()["extensions"]
-    assert triton.is_model_ready(MODEL)
+    assert triton.is_model_ready(MODEL) and triton.is_model_ready(MODEL, model_version="1")
+    assert triton.get_model_metadata(MODEL, model_version="1")["name"] == MODEL
     meta = triton.get_model_metadata(MODEL)
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4096]}]
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 4096]}]
@@ -83,7 +84,7 @@ def test_infer_without_outputs_answers_binary(triton, url: str, rng: np.random.G
     x = rng.standard_normal((1, 4096)).astype(np.float32)
     given = tritonclient.InferInput("x", [1, 4096], "FP32")
     given.set_data_from_numpy(x)
-    result = triton.infer(MODEL, [given], parameters={"kernel": "auto", "weight_format": "nf4"})
+    result = triton.infer(MODEL, [given], model_version="1", parameters={"kernel": "auto", "weight_format": "nf4"})
     assert result.get_response()["outputs"][0]["parameters"]["binary_data_size"] == 4096 * 4
     assert result.as_numpy("y").shape == (1, 4096)
 

@@ -159,34 +159,24 @@ async def _model(request: Request, name: str, version: str | None, readiness: bo
     return _json({"name": name, "ready": True})
 
 
+# each route with and without /versions/1 (the protocol's optional segment): one handler for both paths, the
+# versioned path registered first (the inner decorator) so that `name:path` does not swallow it
+@router.get("/models/{name:path}/ready")
 @router.get("/models/{name:path}/versions/{version}/ready")
-async def model_version_ready(request: Request, name: str, version: str) -> Response:
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     return await _model(request, name, version, readiness=True)
 
 
-@router.get("/models/{name:path}/ready")
-async def model_ready(request: Request, name: str) -> Response:
-    return await _model(request, name, None, readiness=True)
-
-
+@router.post("/models/{name:path}/infer")
 @router.post("/models/{name:path}/versions/{version}/infer")
-async def infer_version(request: Request, name: str, version: str) -> Response:
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
     return await _infer(request, name, version)
 
 
-@router.post("/models/{name:path}/infer")
-async def infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
-
-
-@router.get("/models/{name:path}/versions/{version}")
-async def model_version_metadata(request: Request, name: str, version: str) -> Response:
-    return await _model(request, name, version, readiness=False)
-
-
 @router.get("/models/{name:path}")
-async def model_metadata(request: Request, name: str) -> Response:
-    return await _model(request, name, None, readiness=False)
+@router.get("/models/{name:path}/versions/{version}")
+async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
+    return await _model(request, name, version, readiness=False)
 
 
 # -- infer ----------------------------------------------------------------------------------------------------------
