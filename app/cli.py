@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                     loop="uvloop", access_log=settings.access_log,
                     http=bounded_http(settings.max_request_head_bytes, settings.request_read_timeout_s,
-                                      settings.max_connections),
+                                      settings.max_connections, settings.max_body_bytes),
                     log_config=logs.config(settings.log_level, settings.log_format))
         return 0
     from app.serving import supervisor
@@ -286,7 +286,7 @@ class SettingsError(ValueError):
 
 # the development tools' commands (tools/cli.py): `qgemm bench ...` runs `python -m tools bench ...` in this process's
 # place, so that the product never imports the tools that stand on it
-TOOLS = ("bench", "side-by-side", "loadtest", "soak", "parity")
+TOOLS = ("bench", "side-by-side", "loadtest", "soak", "parity", "ceiling")
 
 
 def main(argv: list[str] | None = None) -> int:

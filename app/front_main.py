@@ -29,7 +29,8 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
     app = create_app(settings, service=service)
     config = uvicorn.Config(app, loop="uvloop", http=bounded_http(settings.max_request_head_bytes,
                                                                   settings.request_read_timeout_s,
-                                                                  settings.max_connections),
+                                                                  settings.max_connections,
+                                                                  settings.max_body_bytes),
                             log_config=logs.config(settings.log_level, settings.log_format),
                             access_log=settings.access_log, timeout_graceful_shutdown=25)
     uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])

@@ -145,3 +145,46 @@ def test_a_product_past_its_deadline_is_504_and_the_server_serves_on(models_dir:
         assert httpx.get(f"{s.url}/healthz", timeout=10).json()["status"] == "ok"
     finally:
         s.stop()
+
+
+def _chunked(body: bytes) -> Iterator[bytes]:
+    """The same body sent without a Content-Length (chunked): read uvicorn's way, not in place."""
+    for i in range(0, len(body), 300_000):
+        yield body[i:i + 300_000]
+
+
+@pytest.mark.parametrize("how", ["npy", "npy-f64-fortran", "json"])
+def test_a_large_body_read_in_place_answers_as_one_read_in_pieces(server: Server, how: str) -> None:
+    """A body of 1 MiB and more is written once into a buffer of its declared length (app/edge.py): the answer is
+    bit for bit the one of the same body sent chunked (read uvicorn's way), in each body form."""
+    rng = np.random.default_rng()
+    m = int(rng.integers(4200, 5200))  # [m, 64] float32: over 1 MiB
+    x = rng.standard_normal((m, 64)).astype(np.float32)
+    params = {"model": "demo", "tensor": "tiny.q4_0.weight"}
+    if how == "json":
+        body, ctype = json.dumps({**params, "activations": x.tolist()}).encode(), "application/json"
+        params = {}
+    else:
+        body, ctype = npy(np.asfortranarray(x.astype(np.float64)) if how == "npy-f64-fortran" else x), \
+            "application/x-npy"
+    assert len(body) >= 1 << 20
+    answers = []
+    for content in (body, _chunked(body)):
+        r = httpx.post(f"{server.url}/v1/matmul", params=params, content=content, timeout=60,
+                       headers={"Content-Type": ctype})
+        assert r.status_code == 200, r.text
+        answers.append(np.asarray(r.json()["output"], np.float32))
+    assert answers[0].shape == (m, 33) and np.array_equal(answers[0], answers[1])
+    _still_serves(server)
+
+
+def test_a_broken_large_body_read_in_place_is_400_and_the_server_serves_on(server: Server) -> None:
+    """A 2 MiB body that is no .npy, and one whose header promises more data than it has: 400, then served on."""
+    body = npy(np.ones((4100, 64), np.float32))
+    for bad in (b"\x00" * (2 << 20), body[:128] + body[128 + 64:] + b"\x00" * 32):
+        r = server.post(bad)  # the right length for the header, wrong data for the shape
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_npy", r.text
+    truncated = body[:len(body) - 4096]
+    r = server.post(truncated)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_npy", r.text
+    _still_serves(server)

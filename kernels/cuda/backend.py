@@ -25,7 +25,7 @@ import numpy as np
 from kernels import reference
 from kernels.backend import Outs
 from kernels.cuda import graphs as product_graphs
-from kernels.cuda.host_memory import copy_in
+from kernels.cuda.host_memory import copy_in, is_page_locked
 from kernels.cuda.layouts import ACTIVATIONS, ActivationLayout
 from kernels.cuda.modules import SOURCES, Modules
 from kernels.cuda.resident import ResidentWeights, is_oom
@@ -46,6 +46,7 @@ X_AMAX_ON_DEVICE = 1 << 16
 # come back in one download of the whole product and are copied on the host (a DMA call per part costs more CPU
 # than copying its few KiB: a batch of 64 single rows spent 10% of an engine's time in those calls, H100 machine)
 DIRECT_OUT_BYTES = 1 << 20
+DIRECT_IN_BYTES = 1 << 20  # X of this size or more is uploaded from page-locked memory where it is (no staging copy)
 # products of up to this many rows (without the device checks of large X or Y) replay a CUDA graph (graphs.py)
 GRAPH_ROWS = 64
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
@@ -302,25 +303,36 @@ class CudaBackend:
 
     def _launch(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
-        x_h = self.staging.array("x", (m, k), np.float32)
-        row = 0
-        for p in parts:  # the one host copy: request rows straight into pinned memory
-            copy_in(x_h[row:row + p.shape[0]], p)
-            row += p.shape[0]
         given = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
         if (self.graphs is not None and not poison and not direct and m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE
                 and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
-            replayed = self._replay(spec, w, parts, m, k, n, outs if given else None)
+            replayed = self._replay(spec, w, parts, m, k, n, outs if given else None)  # copies X into its own input
             if replayed is not None:
                 return replayed
+        # large parts already in page-locked memory (a front's arena, registered by the engine) are uploaded from
+        # where they are; else the one host copy: request rows straight into pinned staging
+        x_h = None
+        if not (m * k * 4 >= DIRECT_IN_BYTES and all(p.flags.c_contiguous and p.dtype == np.float32
+                                                      and is_page_locked(p) for p in parts)):
+            x_h = self.staging.array("x", (m, k), np.float32)
+            row = 0
+            for p in parts:
+                copy_in(x_h[row:row + p.shape[0]], p)
+                row += p.shape[0]
         y_h = None if direct else self.staging.array("y", (m, n), np.float32)
         ev = self.events
         with self.stream as s:
             arrays, weights_ms = self._weights(spec, w)
             ev[0].record(s)
             x_d = cupy.empty((m, k), dtype=cupy.float32)  # from CuPy's pool: no cudaMalloc once warm
-            x_d.set(x_h, stream=s)
+            if x_h is not None:
+                x_d.set(x_h, stream=s)
+            else:
+                row = 0
+                for p in parts:
+                    x_d[row:row + p.shape[0]].set(p, stream=s)
+                    row += p.shape[0]
             ev[1].record(s)
             layout = spec.activations_for(w.type_name)
             bufs = layout.buffers(m, k)

@@ -123,6 +123,16 @@ def unregister(ptr: int) -> None:
     cupy.cuda.runtime.hostUnregister(ptr)
 
 
+def is_page_locked(a: np.ndarray) -> bool:
+    """Whether the device can copy `a` by DMA as it is (memory allocated pinned, or registered: an engine's arenas)."""
+    import cupy
+
+    try:
+        return int(cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data).type) == 1  # cudaMemoryTypeHost
+    except Exception:  # pageable memory the runtime never saw (older runtimes raise for it)
+        return False
+
+
 def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
     """src into dst (pinned staging): a large array in row blocks on several threads (numpy's copy lets the GIL go)."""
     rows = src.shape[0]
