@@ -20,6 +20,8 @@ from kernels.requant import Scheme
 from kernels.select import KernelChooser
 from models.store import TensorInfo
 
+INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
+
 
 @dataclass(frozen=True)
 class Checked:
@@ -55,13 +57,18 @@ def check_shape(shape: tuple[int, ...], info: TensorInfo, max_rows: int) -> None
                              "k_mismatch")
 
 
+def amax_of(x: np.ndarray) -> float:
+    """max|x|, NaN where X holds one (NaN and inf propagate: one value says whether X needs a closer look)."""
+    with np.errstate(invalid="ignore"):
+        return max(float(x.max()), -float(x.min()))
+
+
 def check_values(info: TensorInfo, x: np.ndarray, x32: np.ndarray, auto: bool, spec: Kernel,
                  amax: float | None = None) -> None:
     """X's values: finite, and in the range of the Q8_1 kernels that may run it (`auto`: any kernel its batch may
-    pick); `amax`: max|x32| where a device measured it (NaN and inf propagate), else computed here."""
+    pick); `amax`: max|x32| where a device (or the front that wrote X) measured it, else computed here."""
     if amax is None:
-        with np.errstate(invalid="ignore"):
-            amax = max(float(x32.max()), -float(x32.min()))  # one value says it all: NaN and inf propagate
+        amax = amax_of(x32)
     if not math.isfinite(amax):
         bad = np.argwhere(~np.isfinite(x))
         if len(bad):

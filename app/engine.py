@@ -23,7 +23,7 @@ import numpy as np
 from fastapi.concurrency import run_in_threadpool
 
 from app import placement
-from app.checks import Checked, check_output, check_request, check_values
+from app.checks import INLINE_VALUES, Checked, amax_of, check_output, check_request, check_values
 from app.placement import Part, Placement, Placements, Replica
 from app.scheduler import Answer, BatchAnswer, settle_future
 from app.settings import Settings
@@ -43,7 +43,6 @@ from models.store import Model, TensorInfo
 # (Engine._poll): no thread round trip, no GIL handed between two threads.  Larger ones run on the device's thread.
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
-INLINE_VALUES = 1 << 16  # activations up to this many values are checked on the event loop (tens of µs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,13 +167,13 @@ class Engine:
         return await future
 
     def enqueue(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
-                done: Callable[[Answer | BaseException], None]) -> None:
+                done: Callable[[Answer | BaseException], None], amax: float | None = None) -> None:
         """A checked request's product through the scheduler of the device that holds its tensor (which may batch it
         with others of this tensor in the same weight format), `done` called with its Answer or its error; on
         every device of a split tensor at once.  `out` [M, N] float32: where Y goes (a front's shared memory), else
         an array of the engine's own."""
         try:
-            if self._enqueue_small(model, c, x, out, done):
+            if self._enqueue_small(model, c, x, out, done, amax):
                 return
         except Exception as exc:
             done(exc)
@@ -189,8 +188,9 @@ class Engine:
         task.add_done_callback(finished)
 
     def _enqueue_small(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
-                       done: Callable[[Answer | BaseException], None]) -> bool:
-        """The common case queued at once: float32 X small enough to check on the host, one device.  False: not it."""
+                       done: Callable[[Answer | BaseException], None], amax: float | None = None) -> bool:
+        """The common case queued at once: float32 X small enough to check on the host, one device.  False: not it.
+        `amax`: max|X| where the caller measured it already (a front process, as it wrote X)."""
         m = x.shape[0]
         if (x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous
                 or m > self.settings.batch_max_rows):
@@ -199,8 +199,8 @@ class Engine:
         pool = self.pools[chosen.backend]
         if len(pool) != 1:
             return False
-        with np.errstate(invalid="ignore"):
-            amax = max(float(x.max()), -float(x.min()))  # one value says it all: NaN and inf propagate
+        if amax is None:
+            amax = amax_of(x)
         if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where, if it matters here
             check_values(c.eff, x, x, c.kernel is None, chosen, amax)
         worker = pool[0]

@@ -99,6 +99,9 @@ class DeviceCollector(Collector):
         yield from (depth, held, budget, products)
 
 
+PATHS_KEPT = 4096
+
+
 class RequestMetrics:
     """ASGI middleware: counts each HTTP request by its route template (not its raw path, so that
     model and tensor names do not make unbounded label sets) and status, and times it."""
@@ -106,6 +109,10 @@ class RequestMetrics:
     def __init__(self, app: ASGIApp, metrics: Metrics, templates: Callable[[], list[str]]):
         self.app, self.metrics, self.templates = app, metrics, templates
         self._patterns: list[tuple[re.Pattern[str], str]] | None = None
+        # the paths seen and the labelled children used, kept: a request looks them up instead of matching the
+        # templates and asking prometheus-client for its children again (both bounded: cleared when full)
+        self._of_path: dict[str, str] = {}
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def template(self, path: str) -> str:
         """The route template a path matched (from the OpenAPI paths: routers nested under a prefix
@@ -133,9 +140,21 @@ class RequestMetrics:
         finally:
             if scope.get("state", {}).get("client_gone"):
                 status = 499  # the client closed the connection before its answer (nginx's code): not a server fault
-            template = self.template(scope["path"])
-            self.metrics.requests.labels(template, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(template).observe(time.perf_counter() - t0)
+            path = scope["path"]
+            template = self._of_path.get(path)
+            if template is None:
+                if len(self._of_path) >= PATHS_KEPT:
+                    self._of_path.clear()
+                template = self._of_path[path] = self.template(path)
+            key = (template, scope["method"], status)
+            children = self._children.get(key)
+            if children is None:
+                if len(self._children) >= PATHS_KEPT:
+                    self._children.clear()
+                children = self._children[key] = (self.metrics.requests.labels(template, key[1], str(status)),
+                                                  self.metrics.latency.labels(template))
+            children[0].inc()
+            children[1].observe(time.perf_counter() - t0)
 
 
 def merge_exposition(texts: list[str]) -> str:

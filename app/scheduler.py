@@ -106,6 +106,7 @@ class Scheduler:
         self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
         self.observe = observe
         self.queues: OrderedDict[Hashable, deque[Chunk]] = OrderedDict()
+        self.waiting = 0  # chunks in the queues (asked at every admission: kept, not summed)
         self.busy = False
 
     @property
@@ -113,7 +114,7 @@ class Scheduler:
         return self.wait_s > 0
 
     def depth(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        return self.waiting
 
     async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: Kernel | None,
                      chunk_spec: Callable[[int], Kernel], out: np.ndarray | None = None) -> Answer:
@@ -162,6 +163,7 @@ class Scheduler:
 
     def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
         self.queues.setdefault(qkey, deque()).extend(chunks)
+        self.waiting += len(chunks)
         if not self.busy:
             self.busy = True
             asyncio.get_running_loop().create_task(self._pump())
@@ -184,6 +186,7 @@ class Scheduler:
                 taken.append(queue.popleft())
             if not queue:
                 del self.queues[qkey]
+            self.waiting -= len(taken)
             return taken
         return None
 

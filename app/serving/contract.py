@@ -46,6 +46,7 @@ class Matmul(Message, tag=1):
     k: int = 0
     n: int = 0
     own: bool = False
+    amax: float | None = None  # max|X| (NaN where X holds one), measured by the front as it wrote X
 
 
 class Health(Message, tag=2):

@@ -178,7 +178,7 @@ class EngineServer:
                                             timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
                                             got.devices), r)
 
-        self.engine.enqueue(*target, x, y, done)
+        self.engine.enqueue(*target, x, y, done, r.amax)
 
     def _answer(self, end: Framed, answer: contract.Answer, r: Matmul) -> None:
         self.segments.give(r.segment, r.own)

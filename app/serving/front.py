@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from app.checks import Checked
+from app.checks import INLINE_VALUES, Checked, amax_of
 from app.errors import ApiError
 from app.metrics import merge_exposition
 from app.scheduler import Answer
@@ -132,12 +132,15 @@ class RemoteService:
             raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
         except ValueError as exc:  # this request alone is over the budget: not a matter of waiting
             raise InvalidRequest(str(exc), "too_large_for_shared_memory") from None
+        x_slot = slot.x()
         with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(slot.x(), x, casting="unsafe")
+            np.copyto(x_slot, x, casting="unsafe")
+        # measured here, where every front shares the work, not in the one engine process all of them wait on
+        amax = amax_of(x_slot) if x.size <= INLINE_VALUES else None
         kernel = checked.kernel.name if checked.kernel is not None else "auto"
         request = contract.Matmul(0, model.id, model.version_key, checked.info.name, kernel,
                                   scheme_fields(checked.scheme), slot.segment, slot.offset, slot.y_offset, m, k, n,
-                                  slot.own is not None)
+                                  slot.own is not None, amax)
         call = asyncio.ensure_future(self._call(request, self._engine_for(checked.info.name)))
         try:
             done = await asyncio.shield(call)
