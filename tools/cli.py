@@ -66,6 +66,12 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_ceiling(args: argparse.Namespace, settings: Settings) -> int:
+    from tools.ceiling import main as ceiling_main
+
+    return ceiling_main(args)
+
+
 def cmd_soak(args: argparse.Namespace, settings: Settings) -> int:
     from tools.soak import main as soak_main
 
@@ -113,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rewrite-every", type=float, default=2.0, help="seconds between rewrites of the soak model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON report here too")
+    p = sub.add_parser("ceiling", help="serve a bare FastAPI route shaped like POST /v1/matmul (reads the body, "
+                                       "answers 16 KiB) with as many workers as the fronts: loadtest's HTTP ceiling")
+    from tools.ceiling import add_arguments as ceiling_arguments
+
+    ceiling_arguments(p)
     sub.add_parser("parity", help="qgemm's products against ggml's own on the same bytes (qgemm parity --help)")
     return dispatch(parser, argv, {"bench": cmd_bench, "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest,
-                                   "soak": cmd_soak})
+                                   "soak": cmd_soak, "ceiling": cmd_ceiling})
