@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-N_ENV, K_ENV = "QGEMM_CEILING_N", "QGEMM_CEILING_K"
+N_ENV, K_ENV, WORKERS_ENV = "QGEMM_CEILING_N", "QGEMM_CEILING_K", "QGEMM_CEILING_WORKERS"
 
 
 def _answer(n: int) -> bytes:
@@ -48,11 +48,13 @@ def make_app() -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        parent = os.getppid()
-        try:  # uvicorn's workers are its main process's children
-            pids = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
-        except OSError:
-            pids = [os.getpid()]
+        pids = [os.getpid()]  # one worker: uvicorn serves from its main process
+        if int(os.environ.get(WORKERS_ENV, "1")) > 1:
+            parent = os.getppid()
+            try:  # uvicorn's workers are its main process's children
+                pids = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+            except OSError:
+                pass
         return {"status": "ok", "backend": "none", "processes": [{"role": "front", "pid": p} for p in pids]}
 
     return app
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     from app.settings import Settings
 
     fronts = args.fronts or Settings.from_env().fronts or default_fronts()
-    os.environ[N_ENV], os.environ[K_ENV] = str(args.n), str(args.k)
+    os.environ[N_ENV], os.environ[K_ENV], os.environ[WORKERS_ENV] = str(args.n), str(args.k), str(max(1, fronts))
     uvicorn.run("tools.ceiling:make_app", factory=True, host=args.host, port=args.port, workers=max(1, fronts),
                 loop="uvloop", http="httptools", log_level="warning", access_log=False)
     return 0
