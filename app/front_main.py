@@ -4,6 +4,7 @@ service is the engine processes (app/serving/front.py)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from app.serving.lifetime import die_with_parent
@@ -11,8 +12,10 @@ from app.serving.supervisor import listen
 from app.settings import Settings
 
 
-def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_sockets: list[str]) -> None:
-    """A front process's main (spawned): this front's settings from `env`, its app's service the engines."""
+def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engine_sockets: list[str],
+              listener: socket.socket | None = None) -> None:
+    """A front process's main (spawned): this front's settings from `env`, its app's service the engines;
+    `listener`: the supervisor's listening socket (a lone front), else one of its own on the shared port."""
     die_with_parent()
     os.environ.update(env)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(run_dir) / "metrics")  # before prometheus_client loads
@@ -33,4 +36,4 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
                                                                   settings.max_body_bytes),
                             log_config=logs.config(settings.log_level, settings.log_format),
                             access_log=settings.access_log, timeout_graceful_shutdown=25)
-    uvicorn.Server(config).run(sockets=[listen(settings.host, settings.port)])
+    uvicorn.Server(config).run(sockets=[listener if listener is not None else listen(settings.host, settings.port)])

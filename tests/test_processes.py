@@ -164,6 +164,24 @@ def test_a_killed_front_loses_only_its_requests_and_is_back_within_2_s(server: S
     assert not [s for s in _segments(server.port) if f"-{victim}-" in s]  # its shared memory is gone
 
 
+def test_a_lone_fronts_restart_queues_new_connections_instead_of_refusing_them(models_dir: Path) -> None:
+    """One front (the default on 2 cores): the supervisor holds the listening socket, so while a killed front is
+    started again, connections made meanwhile wait in its backlog and are served; none is refused."""
+    s = Server(models_dir, fronts=1).start()
+    try:
+        x = np.random.default_rng().standard_normal((1, K)).astype(np.float32)
+        victim = s.pids("front")[0]
+        os.kill(victim, signal.SIGKILL)
+        while Path(f"/proc/{victim}").exists() and Path(f"/proc/{victim}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.01)  # gone (or a zombie its parent has not reaped): its socket closed
+        t0 = time.monotonic()
+        statuses = [s.post(x).status_code for _ in range(3)]  # fresh connections, made while it restarts
+        assert statuses == [200, 200, 200] and time.monotonic() - t0 < 20
+        assert victim not in s.pids("front") and len(s.pids("front")) == 1
+    finally:
+        s.stop()
+
+
 def test_a_killed_engine_fails_waiting_requests_at_once_and_comes_back(server: Server) -> None:
     engine = server.pids("engine")[0]
     seen: dict[str, object] = {}

@@ -198,12 +198,15 @@ def arena_bytes_for(want: int, fronts: int, free: int) -> int:
     return fit
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket of this front's own on the shared port (SO_REUSEPORT): the kernel spreads new connections
-    over the fronts, and a front that dies takes only its own connections with it."""
+def listen(host: str, port: int, shared: bool = True) -> socket.socket:
+    """A listening socket on the port.  `shared` (SO_REUSEPORT): each of several fronts has its own, the kernel
+    spreads new connections over them, and a front that dies takes only its own connections with it.  Else the one
+    socket the supervisor holds for a lone front: its backlog outlives the front, so that while a dead front is
+    started again new connections wait in the queue instead of being refused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     return sock
@@ -224,13 +227,13 @@ def queued_connections_migrate() -> bool:
         return False
 
 
-FrontMain = Callable[[dict[str, str], int, str, str, list[str]], None]
+FrontMain = Callable[[dict[str, str], int, str, str, list[str], socket.socket | None], None]
 
 
 class Supervisor:
     def __init__(self, settings: Settings, fronts: int, front_main: FrontMain | None = None):
-        """`front_main(env, index, run_dir, instance, engine_sockets)`: a front process's main (app/front_main.py: the
-        HTTP app, which stands on this package, is handed in rather than imported)."""
+        """`front_main(env, index, run_dir, instance, engine_sockets, listener)`: a front process's main
+        (app/front_main.py: the HTTP app, which stands on this package, is handed in rather than imported)."""
         self.settings = settings
         self.front_main = front_main
         self.instance = str(settings.port)
@@ -242,6 +245,7 @@ class Supervisor:
         self.children = [Child("engine", i) for i in range(len(self.engine_envs))] + \
             [Child("front", i) for i in range(fronts)]
         self.stopping = False
+        self.listener: socket.socket | None = None  # a lone front's listening socket, held here across its restarts
         self.lock: socket.socket | None = None  # the port's, held from `run` to the process's end
 
     # -- leftovers and state -----------------------------------------------------------------------
@@ -282,7 +286,7 @@ class Supervisor:
         else:
             process = SPAWN.Process(target=self.front_main, name=f"qgemm-front-{child.index}", daemon=False,
                                     args=(self.env, child.index, str(self.run_dir), self.instance,
-                                          self.engine_sockets))
+                                          self.engine_sockets, self.listener))
         process.start()
         child.process, child.started = process, time.monotonic()
         child.state = "starting" if child.restarts == 0 else "restarting"
@@ -370,13 +374,17 @@ class Supervisor:
             log.error("port %d is served by another qgemm serve already: stop it first, or choose another --port",
                       self.settings.port)
             return 2
+        fronts = len(self.children) - len(self.engine_envs)
         try:  # the port is ours to share (a process listening there without SO_REUSEPORT refuses this)
-            listen(self.settings.host, self.settings.port).close()
+            if fronts == 1:  # a lone front: the socket is held here, and passed to it at each of its starts
+                self.listener = listen(self.settings.host, self.settings.port, shared=False)
+            else:
+                listen(self.settings.host, self.settings.port).close()
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", self.settings.host, self.settings.port, exc)
             return 2
         self.clean_leftovers()
-        fronts, free = len(self.children) - len(self.engine_envs), arenas.shm_free()
+        free = arenas.shm_free()
         try:
             arena = arena_bytes_for(self.settings.front_arena_bytes, fronts, free)
         except ValueError as exc:
@@ -396,7 +404,7 @@ class Supervisor:
         announce_version()
         log.info("%d HTTP front process(es) and %d engine process(es) (this one supervises them)",
                  len(self.children) - len(self.engine_envs), len(self.engine_envs))
-        if not queued_connections_migrate():
+        if fronts > 1 and not queued_connections_migrate():
             log.info("net.ipv4.tcp_migrate_req is not 1 here: a front that dies also resets the connections queued "
                      "on its socket, not only its in-flight requests (docker run --sysctl net.ipv4.tcp_migrate_req=1)")
         for child in self.children:
@@ -450,6 +458,8 @@ class Supervisor:
         for c in self.children:
             for pid in c.pids:
                 arenas.clean(self.instance, pid)
+        if self.listener is not None:
+            self.listener.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")
         if forced:
