@@ -9,7 +9,8 @@ limit_concurrency, answers text and counts requests too).  Once a request is who
 is the app's to time.
 
 A large body for `POST /v1/matmul` (1 MiB and more, within the body limit) is read in place: each piece the socket
-brings is written once into a buffer of the declared length, and the app takes that buffer whole (`body_of`).
+brings is written once into a buffer of the declared length, and the app takes that buffer whole (`body_of`).  In a
+front process the buffer is a region of its shared-memory arena (`body_buffers`), where the engine reads X as it is.
 uvicorn's way, a 64 KiB high-water mark, a pause and a wake-up of the app per piece, and three copies (its buffer,
 the message's bytes, Starlette's join), cost a front 6.6 ms of CPU per 8 MiB body, more than the product.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +53,8 @@ class BoundedHttp(HttpToolsProtocol):
     read_timeout_s = 30.0
     max_connections = 4096
     max_body = 256 << 20  # a body over it is not read in place (the app answers 413 before reading it)
+    # where a body read in place goes: (a buffer of n bytes, its release) or None (then memory of its own)
+    body_buffers: Callable[[int], tuple[memoryview, Callable[[], None]] | None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -139,9 +144,15 @@ class BoundedHttp(HttpToolsProtocol):
         if body and self.scope["path"] in IN_PLACE_PATHS and self.scope["method"] == "POST":
             length = next((value for name, value in self.headers if name == b"content-length"), None)
             if length is not None and length.isdigit() and IN_PLACE_BYTES <= int(length) <= self.max_body:
-                # numpy's empty: pages are taken as the body fills them, not at a declared length
-                self._in_place, self._in_place_at = np.empty(int(length), np.uint8), 0
-                self.scope.setdefault("state", {})[IN_PLACE] = memoryview(self._in_place)
+                n = int(length)
+                got = self.body_buffers(n) if self.body_buffers is not None else None
+                if got is not None:  # released once the request is over (its cycle gone), whatever its end
+                    view, release = got
+                    weakref.finalize(self.cycle, release)
+                else:  # numpy's empty: pages are taken as the body fills them, not at a declared length
+                    view = memoryview(np.empty(n, np.uint8))
+                self._in_place, self._in_place_at = np.frombuffer(view, np.uint8), 0
+                self.scope.setdefault("state", {})[IN_PLACE] = view
 
     def on_body(self, body: bytes) -> None:
         buf = self._in_place
@@ -171,8 +182,11 @@ def connection_cap(setting: int | None) -> int:
 
 
 def bounded_http(head_limit: int, read_timeout_s: float, max_connections: int | None = None,
-                 max_body: int = 256 << 20) -> type[BoundedHttp]:
-    """The protocol class uvicorn takes (`http=`), with these bounds."""
+                 max_body: int = 256 << 20,
+                 body_buffers: Callable[[int], tuple[memoryview, Callable[[], None]] | None] | None = None
+                 ) -> type[BoundedHttp]:
+    """The protocol class uvicorn takes (`http=`), with these bounds; `body_buffers`: where large bodies are read."""
     return type("BoundedHttp", (BoundedHttp,), {"head_limit": head_limit, "read_timeout_s": read_timeout_s,
                                                 "max_connections": connection_cap(max_connections),
-                                                "max_body": max_body})
+                                                "max_body": max_body,
+                                                "body_buffers": staticmethod(body_buffers) if body_buffers else None})

@@ -33,7 +33,7 @@ def run_front(env: dict[str, str], index: int, run_dir: str, instance: str, engi
     config = uvicorn.Config(app, loop="uvloop", http=bounded_http(settings.max_request_head_bytes,
                                                                   settings.request_read_timeout_s,
                                                                   settings.max_connections,
-                                                                  settings.max_body_bytes),
+                                                                  settings.max_body_bytes, service.body_buffer),
                             log_config=logs.config(settings.log_level, settings.log_format),
                             access_log=settings.access_log, timeout_graceful_shutdown=25)
     uvicorn.Server(config).run(sockets=[listener if listener is not None else listen(settings.host, settings.port)])

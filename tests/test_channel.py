@@ -278,3 +278,31 @@ def test_segments_of_their_own_stay_within_the_fronts_budget() -> None:
         arena.release(second)
     finally:
         arena.close()
+
+
+def test_a_body_read_into_the_arena_is_given_back_after_its_request_and_its_product() -> None:
+    """A front's body regions (app/edge.py reads large bodies into them): X found where it lies, the region held
+    by the request and by a product until both are done, and the arena whole again afterwards, in either order."""
+    from app.serving.front import RemoteService
+
+    service = RemoteService([], Path("/nonexistent"), "test", 4 * MiB)
+    service.open()
+    arena = service.arena
+    assert arena is not None
+    try:
+        whole = list(arena._free)
+        got = service.body_buffer(2 * MiB + 100)
+        assert got is not None and service.body_buffer(3 * MiB) is None  # no room: the body reads into its own
+        view, release = got
+        x = np.frombuffer(view, np.float32, 1000 * 64, 128).reshape(1000, 64)
+        offset, at = service._body_holding(x)  # type: ignore[misc]
+        assert at == offset + 128
+        assert service._body_holding(np.ones((4, 64), np.float32)) is None  # memory of its own
+        service._bodies[offset][1] += 1  # a product holds it
+        release()  # the request is over first
+        assert arena._free != whole
+        service._let_go_body(offset)  # then the product
+        assert arena._free == whole and not service._bodies
+        view.release()
+    finally:
+        arena.close()

@@ -3,8 +3,9 @@ travel here, never through the channel (app/serving/channel.py).
 
 Each front owns one arena (a POSIX shared-memory segment, `multiprocessing.shared_memory`) cut into slots per
 request: X [M, K] and Y [M, N] float32, side by side.  A request too large for what the arena has free gets a
-segment of its own for its lifetime.  An engine attaches to a front's arena once, and reads X and writes Y in
-place.
+segment of its own for its lifetime.  A large body is read straight into a region of the arena (app/edge.py): its
+X is multiplied where it landed, and its slot holds Y alone.  An engine attaches to a front's arena once, and reads
+X and writes Y in place.
 
 Segments are named `qgemm-<instance>-<pid>-<n>`: the supervisor removes a dead front's by its pid, and a start
 removes those of processes that no longer exist (a `kill -9` of everything leaves nothing behind for good).
@@ -171,15 +172,37 @@ class Arena:
                     raise
         raise AssertionError("unreachable")
 
-    def slot(self, m: int, k: int, n: int) -> Slot:
-        need = slot_bytes(m, k, n)
+    def _take(self, need: int) -> int | None:
+        """The offset of `need` free bytes of the arena (first fit), or None."""
         for i, (off, size) in enumerate(self._free):
             if size >= need:
                 if size == need:
                     del self._free[i]
                 else:
                     self._free[i] = (off + need, size - need)
-                return Slot(self.name, off, need, m, k, n, self.shm.buf)
+                return off
+        return None
+
+    def region(self, nbytes: int) -> int | None:
+        """The offset of `nbytes` of the arena for a body read in place, or None where the arena has no room (the
+        body is then read into memory of its own); given back with `give_back(offset, nbytes)`."""
+        return self._take(_aligned(nbytes))
+
+    def contains(self, a: np.ndarray) -> int | None:
+        """The offset of `a`'s first byte in the arena, where `a` lies in it (a body read in place), else None."""
+        base = np.frombuffer(self.shm.buf, np.uint8).ctypes.data
+        at = a.ctypes.data - base
+        return at if 0 <= at and at + a.nbytes <= self.size else None
+
+    def slot(self, m: int, k: int, n: int, spill: bool = True) -> Slot:
+        """A slot for X [m, k] and Y [m, n] (k = 0: Y alone); a segment of its own where the arena has no room and
+        `spill`, else NoSharedMemory."""
+        need = slot_bytes(m, k, n)
+        off = self._take(need)
+        if off is not None:
+            return Slot(self.name, off, need, m, k, n, self.shm.buf)
+        if not spill:
+            raise NoSharedMemory(f"the arena has no {need} bytes free")
         if need > self.own_budget:
             raise ValueError(f"X and Y of this request take {need >> 20} MiB of shared memory, over the "
                              f"{self.own_budget >> 20} MiB a front may hold in flight (QGEMM_FRONT_INFLIGHT_BYTES)")
@@ -200,8 +223,12 @@ class Arena:
                 pass
             remove(slot.segment)
             return
-        i = bisect.bisect(self._free, (slot.offset, 0))
-        self._free.insert(i, (slot.offset, slot.nbytes))
+        self.give_back(slot.offset, slot.nbytes)
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        nbytes = _aligned(nbytes)
+        i = bisect.bisect(self._free, (offset, 0))
+        self._free.insert(i, (offset, nbytes))
         # merge with the next, then the previous block
         if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
             self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])

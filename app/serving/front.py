@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,7 @@ class RemoteService:
         self.run_dir, self.instance, self.arena_bytes = run_dir, instance, arena_bytes
         self.inflight_bytes = inflight_bytes
         self.arena: arenas.Arena | None = None
+        self._bodies: dict[int, list[int]] = {}  # bodies read in place: region offset -> [bytes, holders]
         self._chooser: KernelChooser | None = None
         self._kernels: list[dict[str, Any]] | None = None
         self._last_health: dict[str, Any] = {"backend": "cpu", "device": None, "compile_ms": None, "devices": []}
@@ -123,25 +125,70 @@ class RemoteService:
                         raise
         return self._kernels  # type: ignore[return-value]
 
+    # -- bodies read in place (app/edge.py) into regions of this front's arena ----------------------------------
+    def body_buffer(self, nbytes: int) -> tuple[memoryview, Callable[[], None]] | None:
+        """A region of the arena for a request body of `nbytes` read in place, and its release (the HTTP request's
+        end); None where the arena has no room.  A product whose X lies in it holds it too, until its answer."""
+        if self.arena is None:
+            return None
+        offset = self.arena.region(nbytes)
+        if offset is None:
+            return None
+        self._bodies[offset] = [nbytes, 1]
+        return self.arena.shm.buf[offset:offset + nbytes], lambda: self._let_go_body(offset)
+
+    def _let_go_body(self, offset: int) -> None:
+        held = self._bodies[offset]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._bodies[offset]
+            assert self.arena is not None
+            self.arena.give_back(offset, held[0])
+
+    def _body_holding(self, x: np.ndarray) -> tuple[int, int] | None:
+        """(the region's offset, X's) where X lies in a body read in place into the arena, as float32 rows."""
+        if not self._bodies or x.dtype != np.float32 or not x.flags.c_contiguous or self.arena is None:
+            return None
+        at = self.arena.contains(x)
+        if at is None:
+            return None
+        for offset, (nbytes, _) in self._bodies.items():
+            if offset <= at and at + x.nbytes <= offset + nbytes:
+                return offset, at
+        return None
+
     async def matmul(self, model: Model, checked: Checked, x: np.ndarray) -> Answer:
         (m, k), n = x.shape, checked.eff.shape[0]
         assert self.arena is not None, "the front's arena is made at its start"
-        try:
-            slot = self.arena.slot(m, k, n)
-        except arenas.NoSharedMemory as exc:  # the arena is full and /dev/shm (or the budget) holds no more now
-            raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
-        except ValueError as exc:  # this request alone is over the budget: not a matter of waiting
-            raise InvalidRequest(str(exc), "too_large_for_shared_memory") from None
-        x_slot = slot.x()
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(x_slot, x, casting="unsafe")
+        body, slot = self._body_holding(x), None
+        if body is not None:  # X is multiplied where the body landed: the slot holds Y alone
+            try:
+                slot = self.arena.slot(m, 0, n, spill=False)
+                self._bodies[body[0]][1] += 1
+            except arenas.NoSharedMemory:
+                body = None
+        if slot is None:
+            try:
+                slot = self.arena.slot(m, k, n)
+            except arenas.NoSharedMemory as exc:  # the arena is full and /dev/shm (or the budget) holds no more now
+                raise ApiError(503, "no_shared_memory", str(exc), RETRY) from None
+            except ValueError as exc:  # this request alone is over the budget: not a matter of waiting
+                raise InvalidRequest(str(exc), "too_large_for_shared_memory") from None
+            x_slot = slot.x()
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.copyto(x_slot, x, casting="unsafe")
+        else:
+            x_slot = x
         # measured here, where every front shares the work, not in the one engine process all of them wait on
         amax = amax_of(x_slot) if x.size <= INLINE_VALUES else None
         kernel = checked.kernel.name if checked.kernel is not None else "auto"
         request = contract.Matmul(0, model.id, model.version_key, checked.info.name, kernel,
-                                  scheme_fields(checked.scheme), slot.segment, slot.offset, slot.y_offset, m, k, n,
+                                  scheme_fields(checked.scheme), slot.segment,
+                                  slot.offset if body is None else body[1], slot.y_offset, m, k, n,
                                   slot.own is not None, amax)
         call = asyncio.ensure_future(self._call(request, self._engine_for(checked.info.name)))
+        if body is not None:  # the engine reads X until it answers, whatever the answer
+            call.add_done_callback(lambda _, offset=body[0]: self._let_go_body(offset))
         try:
             done = await asyncio.shield(call)
         except asyncio.CancelledError:  # the client went: the engine may still write Y; the slot waits for it
