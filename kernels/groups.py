@@ -88,7 +88,7 @@ class GroupedFormat:
     name: str
     dtype: np.dtype
     planes: tuple[str | tuple[str, ...], ...]  # a tuple: adjacent fields kept together (one load for all)
-    # fast.cu's skinny MMA takes its products of skinny_min_m..8 rows (launch.py takes_skinny; 0: none; gemv_groups
+    # gemv.cu's skinny MMA takes its products of skinny_min_m..8 rows (launch.py takes_skinny; 0: none; gemv_groups
     # the rest): a code book's 16 bytes of nibbles a 32-value block in plane p0 with the scales in p1 (SkinnyCodes),
     # or a K-quant's value fields `skinny_runs` (low bits, then high bits: the runs a stage copies) and scale fields
     # `skinny_scales` (copied into each stage by its producer warp; SkinnyGroups).
@@ -97,7 +97,7 @@ class GroupedFormat:
     skinny_min_m = 0
     skinny_runs: tuple[str, ...] = ()
     skinny_scales: tuple[str, ...] = ()
-    # mmq (fast.cu, M > 8) multiplies a format with a scale per 16 values as two k16 MMAs a block, each scaled in
+    # mmq (mmq.cuh, M > 8) multiplies a format with a scale per 16 values as two k16 MMAs a block, each scaled in
     # fp32 (H = 2), unless its integer scales fold into int8 values: then one k32 MMA and one scale a block
     # (`mmq_folded`), half the epilogue.  Where the folded values take two int8 digits (`mmq_digits` 2: Q6_K),
     # mmq keeps the two k16 MMAs and mmq_d2 takes the fold: two k32 MMAs and three FFMAs an output and block
@@ -123,7 +123,7 @@ class GroupedFormat:
         return self.skinny_min_m > 0
 
     def skinny_run_bytes(self) -> tuple[int, ...]:
-        """Bytes a super-block of each `skinny_runs` field (fast.cu's T::QS_BYTES, T::HI_BYTES)."""
+        """Bytes a super-block of each `skinny_runs` field (gemv.cu's T::QS_BYTES, T::HI_BYTES)."""
         return tuple(self.dtype[f].itemsize for f in self.skinny_runs)
 
     def skinny_scale_bytes(self) -> int:
@@ -231,7 +231,7 @@ class Q6K(GroupedFormat):
         b["d"] = self.halves(b, rng, scale / (128 * 32))
 
     # q in -32..31 times sc in -128..127 is -4064..4096: two int8 digits (128 hi + lo) with scale d, the block's
-    # two halves summed exactly in the MMAs' int32 (fast.cu D = 2); llama.cpp's scales are the float d*sc (exact)
+    # two halves summed exactly in the MMAs' int32 (mmq.cuh D = 2); llama.cpp's scales are the float d*sc (exact)
     mmq_folds, mmq_digits = True, 2
 
     def mmq_fold_scales(self, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -287,7 +287,7 @@ def _fields(plane: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 GROUPED: dict[str, GroupedFormat] = {f.name: f for f in (Q2K(), Q3K(), Q4K(), Q5K(), Q6K(), IQ4NL(), IQ4XS(), MXFP4())}
-# the formats whose folded values take two int8 digits: what fast.cu's mmq_d2 multiplies
+# the formats whose folded values take two int8 digits: what mmq.cu's mmq_d2 multiplies
 MMQ_D2_TYPES: tuple[str, ...] = tuple(t for t, f in GROUPED.items() if f.mmq_folds and f.mmq_digits == 2)
 for _f in GROUPED.values():
     assert sorted(_field for _p in _f.planes for _field in _fields(_p)) == sorted(_f.dtype.names), _f.name
@@ -344,7 +344,7 @@ def int8_digits(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mmq_scales_a_block(type_name: str, digits: int = 1) -> int:
-    """Weight scales a 32-value block of mmq's tiles of `digits` digits (fast.cu's H): 2 for a scale per 16
+    """Weight scales a 32-value block of mmq's tiles of `digits` digits (mmq.cuh's H): 2 for a scale per 16
     values, unless folded."""
     fmt = FORMATS[GGMLQuantizationType[type_name]]
     return 2 if fmt.group_values == 16 and not mmq_weights_fold(type_name, digits) else 1

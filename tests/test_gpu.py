@@ -52,6 +52,20 @@ def backend():
     b.close()
 
 
+def test_every_declared_entry_point_resolves_and_a_missing_one_fails_the_start(backend, monkeypatch) -> None:
+    """Each kernel's entry points (CudaKernel.entry_points) exist in its compiled source: the backend's start
+    resolved them all; a name a source lacks is refused by the same check, naming the kernel and the function."""
+    from kernels.cuda.kernels import CudaKernel
+
+    runs = [s for s in KERNELS.values() if isinstance(s, CudaKernel) and backend.kernel_reason(s) is None]
+    declared = {(s.source, n) for s in runs for t in s.weight_types for n in s.entry_points(t)}
+    assert len(declared) > 50  # every family declares its functions
+    kernel = KERNELS["gemv"]
+    monkeypatch.setattr(type(kernel), "entry_points", lambda self, t: ("gemv1_no_such_type",))
+    with pytest.raises(RuntimeError, match="gemv: gemv1_no_such_type in gemv.cu"):
+        backend.resolve_entry_points()
+
+
 @pytest.fixture(scope="module")
 def weights_bank():
     """Fresh random GGUF weights per (type, N, K), made once per module run from the run's seed."""

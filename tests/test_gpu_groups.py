@@ -69,7 +69,7 @@ def test_grouped_extreme_blocks(backend, rng: np.random.Generator, kernel: str, 
 def test_q6_k_folded_values_at_their_limits(backend, rng: np.random.Generator, kernel: str) -> None:  # noqa: F811
     """Q6_K's values at -32 or 31 with sub-scales of -128, 127, +-2 and +-1, so that q * sc reaches 4096 and
     -4064 (mmq_d2's high digit +-32) and 64 / -64 (its low digit -64), against activation blocks of one value:
-    the sums of both digits at their extremes, inside fast.cu's biases (MMQ_BIAS_LO, MMQ_BIAS_HI)."""
+    the sums of both digits at their extremes, inside mmq.cuh's biases (MMQ_BIAS_LO, MMQ_BIAS_HI)."""
     spec = KERNELS[kernel]
     m, n, k = (65 if kernel.startswith("mmq") else 5), 130, 512
     if spec.can_run("Q6_K", m, n, k, backend.cc) or backend.kernel_reason(spec):
@@ -112,7 +112,7 @@ def test_grouped_mmq_several_waves(backend, rng: np.random.Generator, monkeypatc
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("type_name", GROUPED_TYPES)
 def test_gemv_m1_every_split(backend, rng: np.random.Generator, monkeypatch, type_name: str, split: int) -> None:  # noqa: F811
-    """gemv's M = 1 kernel with K over 1, 2 or 4 warps a row (fast.cu gemv1_<type>_s<S>, whichever GROUPS_SPLIT
+    """gemv's M = 1 kernel with K over 1, 2 or 4 warps a row (gemv.cu gemv1_<type>_s<S>, whichever GROUPS_SPLIT
     picks): N not a multiple of the rows a block takes, K of 1 to 17 super-blocks (lanes without sub-blocks)."""
     from kernels.cuda import launch
 

@@ -110,7 +110,7 @@ def test_mmq_tiles_fold_integer_scales(rng: np.random.Generator, type_name: str)
         b["scales"] = 0  # all scales -32
         q = groups.mmq_weights(type_name, b.view(np.uint8).reshape(n, -1)).q
         assert q.min() == -128 and q.max() == 96
-    if type_name == "Q6_K":  # the extremes -32 * -128 = 4096 and -32 * 127 as two digits, within fast.cu's biases
+    if type_name == "Q6_K":  # the extremes -32 * -128 = 4096 and -32 * 127 as two digits, within mmq.cuh's biases
         b["scales"][0, 0, 0], b["scales"][0, 0, 1], b["ql"][0], b["qh"][0] = -128, 127, 0, 0  # q = -32
         q = groups.mmq_weights(type_name, b.view(np.uint8).reshape(n, -1), 2).q
         assert q[0, 0] == 4096 and q[0, 16] == -4064

@@ -1,5 +1,5 @@
 """Launch geometry shared by the CUDA kernels and their sources (kernels/cuda/launch.py), on any machine: the
-figures it mirrors from fast.cu, and the skinny kernel's split of K and its shared memory."""
+figures it mirrors from the mmq and gemv sources, and the skinny kernel's split of K and its shared memory."""
 
 from __future__ import annotations
 
@@ -12,21 +12,22 @@ import pytest
 from kernels.cuda import launch as L
 from kernels.formats import QK
 
-FAST = (Path(L.__file__).parent / "fast.cu").read_text()
+SOURCES = ("mma.cuh", "mmq.cuh", "mmq.cu", "mmq_wgmma.cu", "gemv.cu")
+FAST = "\n".join((Path(L.__file__).parent / name).read_text() for name in SOURCES)  # mmq and gemv
 
 
-def test_the_mirrored_constants_are_fast_cus() -> None:
+def test_the_mirrored_constants_are_the_sources() -> None:
     common = (Path(L.__file__).parent / "common.cuh").read_text()
     assert int(re.search(r"#define CHUNK_BLOCKS (\d+)", common).group(1)) == L.CHUNK_BLOCKS
     assert re.search(r"#define SKINNY_KB (\w+)", FAST).group(1) == "CHUNK_BLOCKS" and L.SKINNY_KB == L.CHUNK_BLOCKS
     assert (int(re.search(r"#define SKINNY_WARPS (\d+)", FAST).group(1)) + 1) * 32 == L.SKINNY_THREADS
     assert int(re.search(r"#define MMQ_BM (\d+)", FAST).group(1)) == L.MMQ_BM
     assert int(re.search(r"#define MMQ_BN (\d+)", FAST).group(1)) == L.MMQ_BN
-    splits = {int(s) for s in re.findall(r"GEMV1_GROUPS\(t, T, (\d+)[,)]", FAST)}  # the instances fast.cu makes
+    splits = {int(s) for s in re.findall(r"GEMV1_GROUPS\(t, T, (\d+)[,)]", FAST)}  # the instances gemv.cu makes
     assert {L.groups_split(t) for t in L.GROUPS_SPLIT} | {1} <= splits and all(8 % s == 0 for s in splits)
 
 
-def test_the_skinny_grouped_formats_are_fast_cus() -> None:
+def test_the_skinny_grouped_formats_are_gemv_cus() -> None:
     """The grouped formats the gemv launch sends to the skinny MMA at M = 2..8 (groups.py `skinny`) are the ones
     groups.cuh instantiates it for: the code books (SkinnyCodes) and the K-quants with value runs (SkinnyGroups),
     whose run bytes a super-block are groups.cuh's QS_BYTES and HI_BYTES."""

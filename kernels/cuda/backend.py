@@ -154,10 +154,30 @@ class CudaBackend:
         self.modules = Modules(self.cc, self.sm_count, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
+        self.resolve_entry_points()
         t0 = time.perf_counter()
         with self.stream:
             warm_up()
         self.warm_up_ms = (time.perf_counter() - t0) * 1e3
+
+    def resolve_entry_points(self) -> None:
+        """Every entry point each kernel this device runs declares (CudaKernel.entry_points), looked up now: a name
+        its source lacks fails the start, where it used to fail the first request that launched it."""
+        from kernels.cuda.kernels import CudaKernel
+        from kernels.registry import KERNELS
+
+        missing = []
+        for kernel in KERNELS.values():
+            if not isinstance(kernel, CudaKernel) or self.kernel_reason(kernel) is not None:
+                continue
+            for type_name in kernel.weight_types:
+                for name in kernel.entry_points(type_name):
+                    try:
+                        self.modules.function(kernel.source, name)
+                    except Exception:
+                        missing.append(f"{kernel.name}: {name} in {kernel.source}")
+        if missing:
+            raise RuntimeError("kernels name CUDA functions their sources lack: " + "; ".join(sorted(set(missing))))
 
     # -- the worker thread ----------------------------------------------------------------------
     def _call(self, fn: Callable[[], R]) -> R:

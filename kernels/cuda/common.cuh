@@ -185,7 +185,7 @@ __device__ __forceinline__ float split_epilogue(typename T::Scale w, float sumi,
 }
 
 // ---- gemv's weight layout (kernels/cuda/layouts.py CHUNKED mirrors it) ----
-// K in chunks of CHUNK_BLOCKS quant blocks, the skinny kernel's stage (fast.cu), so that a stage is one copy a
+// K in chunks of CHUNK_BLOCKS quant blocks, the skinny kernel's stage (gemv.cu), so that a stage is one copy a
 // weight row.
 #define CHUNK_BLOCKS 64
 // A legacy format's weight row: its chunks one after another, each (of nb blocks) the nb blocks' quants, then their

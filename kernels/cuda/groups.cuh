@@ -6,7 +6,7 @@
 //   sc[2]  MMVQ's weight scale of values 0..15 and 16..31 (G16) or of all 32 (sc[0]);
 //   cf[2]  (MIN) the factor of d_a * Σq_a over the same values: -dmin * m.
 // LOOKAHEAD: sub-blocks a lane of gemv's M = 1 kernel decodes (or, M1_LANES, loads) before computing them;
-// MIN_BLOCKS: that kernel's __launch_bounds__ blocks an SM, 0 for none (fast.cu gemv1_<type>_s1; both measured on
+// MIN_BLOCKS: that kernel's __launch_bounds__ blocks an SM, 0 for none (gemv.cu gemv1_<type>_s1; both measured on
 // the H100).  M1_LANES: that kernel is gemv_k1 (Lane, load and dot below), not gemv_groups over decode().
 // All are exact products of the block's fields, as llama.cpp's vec_dot_*_q8_1 forms them.
 #pragma once
@@ -20,7 +20,7 @@ __device__ __forceinline__ void load32(const u8* p, int* r) {  // 32 bytes, 16-b
 }
 __device__ __forceinline__ float ldg_half(const u8* p) { return __half2float(__ldg(reinterpret_cast<const __half*>(p))); }
 // How a K-quant's scales() reads its scale fields: from global memory through the read-only path (gemv_groups), or
-// from the skinny kernel's shared copies of them (fast.cu SkinnyGroups)
+// from the skinny kernel's shared copies of them (gemv.cu SkinnyGroups)
 struct LdGlobal {
     __device__ static int byte(const u8* p) { return __ldg(p); }
     __device__ static int sbyte(const u8* p) { return i8(__ldg(p)); }
@@ -79,7 +79,7 @@ __device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m
     scale_min_k4_of(Ld::byte(q + (j & 3)), Ld::byte(q + j + 4), Ld::byte(q + j), j, sc, m);
 }
 
-// ---- gemv's M = 1 kernel for Q2_K, Q3_K and Q5_K (fast.cu gemv_k1) ----
+// ---- gemv's M = 1 kernel for Q2_K, Q3_K and Q5_K (gemv.cu gemv_k1) ----
 // A lane there always takes sub-block j = lane % 8 of its super-blocks, so what picks sub-block j's bits out of the
 // packed bytes is fixed per lane (T::Lane, made once).  The values are not shifted down to bytes of their own: each
 // packed word is masked in place, and the dp4a of those unsigned bytes with the signed activations is shifted down
@@ -133,7 +133,7 @@ template <typename T> struct UsesK1<T, decltype(void(T::M1_LANES))> { static con
 // sub-block j at qs_at(j)) and HI_BYTES of high bits in plane HI (at hi_at(j); 0: none); word(r, h, j) makes
 // values 4i.. of sub-block j from int i of each run.  scales<Ld>() gives sub-block j's MMVQ scale(s) and min
 // factor from the planes scale_bytes(p) > 0 names (bytes a super-block).  gemv_groups decodes a whole sub-block
-// from global memory (decode); fast.cu's skinny MMA reads the value runs, a thread's two words, and the scale
+// from global memory (decode); gemv.cu's skinny MMA reads the value runs, a thread's two words, and the scale
 // fields from shared copies of a stage's super-blocks (SkinnyGroups).
 template <typename T>
 __device__ __forceinline__ void decode_k(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
@@ -345,7 +345,7 @@ struct Q6_K {
     }
 };
 
-// The code-book formats are also read by fast.cu's skinny MMA (SkinnyCodes; launch.py says from which M): 16 bytes
+// The code-book formats are also read by gemv.cu's skinny MMA (SkinnyCodes; launch.py says from which M): 16 bytes
 // of nibbles a 32-value block in plane p0, in order along a row, and BLOCK_SCALE_BYTES of plane p1 a block on
 // average, from whose run in shared memory block_scale(run, kb) gives block kb's MMVQ scale (times d_a * sumi).
 
@@ -410,5 +410,5 @@ struct MXFP4 {
     MACRO(q2_k, Q2_K) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)                \
     MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)
 #define QGEMM_FOR_CODEBOOK_TYPES(MACRO) MACRO(iq4_nl, IQ4_NL) MACRO(iq4_xs, IQ4_XS) MACRO(mxfp4, MXFP4)
-// the K-quants fast.cu's skinny MMA takes (SkinnyGroups): one scale a group of 32 with a min, or two without
+// the K-quants gemv.cu's skinny MMA takes (SkinnyGroups): one scale a group of 32 with a min, or two without
 #define QGEMM_FOR_SKINNY_K_TYPES(MACRO) MACRO(q3_k, Q3_K) MACRO(q4_k, Q4_K) MACRO(q5_k, Q5_K) MACRO(q6_k, Q6_K)

@@ -79,11 +79,20 @@ class CudaKernel(Kernel):
         """Enqueue Y [M, N] = acts · Wᵀ on the current stream (`mods`: the device's compiled sources)."""
         raise NotImplementedError
 
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        """Every function of `source` that `launch` may call for weights of `type_name`: resolved at the backend's
+        start (a name the source lacks fails the start, not a request under load) and checked against the
+        compiled sources by a test."""
+        return ()
+
 
 # ---- the seeds' ladder, and W4A16 --------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ThreadPerOutput(CudaKernel):
     entry: str  # the kernel's name in its source, before the type suffix
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"{self.entry}_{suffix(type_name)}",)
 
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         mods.function(self.source, f"{self.entry}_{suffix(type_name)}")(
@@ -96,6 +105,9 @@ class Tiled(CudaKernel):
     tile_m: int
     tile_n: int
 
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"{self.entry}_{suffix(type_name)}",)
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         mods.function(self.source, f"{self.entry}_{suffix(type_name)}")(
             (cdiv(n, self.tile_n), cdiv(m, self.tile_m)), (256,), (w["w"], acts, y, I32(m), I32(n), I32(k)))
@@ -103,6 +115,9 @@ class Tiled(CudaKernel):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class VecDp4a(CudaKernel):
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"vec_dp4a_{suffix(type_name)}",)
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         mods.function(self.source, f"vec_dp4a_{suffix(type_name)}")(
             (cdiv(n, 4), cdiv(m, 4)), (128,), (w["qs"], w["d"], acts, y, I32(m), I32(n), I32(k)))
@@ -131,6 +146,9 @@ class MulMatF(CudaKernel):
 
     element: str
 
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"mmf_{self.element}_m1", f"mmf_{self.element}_m2")
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         if k % 8 or m > MMF_MAX_M:  # shape_reason (k_multiple, max_m) keeps both from here
             raise ValueError(f"{self.name} needs K % 8 == 0 and M <= {MMF_MAX_M} (M = {m}, K = {k})")
@@ -144,6 +162,10 @@ class MulMatVecF(CudaKernel):
     mmvf_warp), launched dependent (pdl.py)."""
 
     element: str
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        # h: blocks of 128 threads a row (reference.mmvf_block_size: at most 256 threads)
+        return tuple(f"mmvf_warp_{self.element}_h{h}" for h in (1, 2))
 
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import pdl
@@ -174,6 +196,21 @@ class Mmq(CudaKernel):
     def activations_for(self, type_name: str) -> ActivationLayout:
         return L.mmq_activations(type_name)
 
+    def _base(self, type_name: str, minimum: bool) -> str:
+        """The variant for these weights (`minimum`: their layout holds minima, "wm"), before its _m32 form."""
+        base, fmt = self.entry, format_of(type_name)
+        if base == "mmq" and fmt is not None and fmt.grouped and mmq_scales_a_block(type_name) == 2:
+            base = "mmq16"
+        if minimum:
+            assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
+            base += "_min"
+        return base
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        minima = (False, True) if self.entry == "mmq" else (False,)  # whether a layout holds minima: its own say
+        bases = [self._base(type_name, minimum) for minimum in minima]
+        return tuple(bases) if self.entry == "mmq_wgmma" else tuple(n for b in bases for n in (b, f"{b}_m32"))
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         splits = mmq_splits(mods.sm_count, m, n, k)
         stages = mmq_tiles(m, k, MMQ_BM)[1]
@@ -182,15 +219,10 @@ class Mmq(CudaKernel):
         if splits > 1:
             y.fill(0)
         grid = (cdiv(n, MMQ_BN), cdiv(m, MMQ_BM), splits)
-        base, minimum = self.entry, "wm" in w
-        fmt = format_of(type_name)
-        if base == "mmq" and fmt is not None and fmt.grouped and mmq_scales_a_block(type_name) == 2:
-            base = "mmq16"
-        if minimum:
-            assert base != "mmq_wgmma", "mmq_wgmma takes the signed formats only"
-            base += "_min"
+        minimum = "wm" in w
+        base = self._base(type_name, minimum)
         threads, smem = self.SHAPES[base]
-        if base != "mmq_wgmma" and m <= MMQ_BM // 2:  # one row of tiles, half empty: fast.cu's HALF variant
+        if base != "mmq_wgmma" and m <= MMQ_BM // 2:  # one row of tiles, half empty: mmq.cuh's HALF variant
             base += "_m32"
         fn = mods.function(self.source, base)
         if fn.max_dynamic_shared_size_bytes < smem:
@@ -203,12 +235,19 @@ class Mmq(CudaKernel):
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Gemv(CudaKernel):
     """M <= 8 on the split layout: M = 1 a warp per weight row (dp4a), launched dependent on its quantize kernel
-    (pdl.py); 2..8 the skinny int8 MMA (fast.cu's skinny: K staged through shared memory, split over blocks when
+    (pdl.py); 2..8 the skinny int8 MMA (gemv.cu's skinny: K staged through shared memory, split over blocks when
     the 16-row blocks leave SMs idle), or (`rows_reuse`) the M = 1 stream with each weight block reused for
-    every activation row.  Grouped formats: gemv_groups (fast.cu), one kernel a row count, except where the skinny
+    every activation row.  Grouped formats: gemv_groups (gemv.cu), one kernel a row count, except where the skinny
     MMA takes them (groups.py `skinny_min_m` rows on: the code books and the K-quants bar Q2_K)."""
 
     rows_reuse: bool = False
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        t, fmt = suffix(type_name), GROUPED.get(type_name)
+        if fmt is not None:  # M = 1 on the format's split; 2..8 row by row, or the skinny MMA from skinny_min_m
+            skinny = (f"skinny1_{t}",) if fmt.skinny and not self.rows_reuse else ()
+            return (f"gemv1_{t}_s{groups_split(type_name)}", f"gemv_rows_{t}", *skinny)
+        return (f"gemv_rows_{t}",) if self.rows_reuse else (f"gemv1_{t}", f"skinny1_{t}")
 
     def activations_for(self, type_name: str) -> ActivationLayout:
         """Split Q8_1, in chunks where the skinny kernel takes the product (the legacy formats from 2 rows, the grouped
@@ -271,7 +310,7 @@ def _bnb4_args(type_name: str, w: DeviceArrays, n: int, k: int) -> tuple[str, tu
     z = w["qs"]  # arguments a variant never reads: any pointer
     args = (w["qs"], w.get("absmax", z), w.get("qabs", z), w.get("absmax2", z), w.get("code8", z),
             np.float32(w["offset_h"]) if dq else np.float32(0), I32(bs.bit_length() - 1))
-    return f"{type_name.lower()}{'_dq' if dq else ''}", args
+    return _bnb4_suffixes(type_name)[dq], args
 
 
 @cache
@@ -295,8 +334,17 @@ def dequantize_bnb4(mods: Any, type_name: str, w: DeviceArrays, n: int, k: int, 
     return out
 
 
+def _bnb4_suffixes(type_name: str) -> tuple[str, str]:
+    """A bnb4 type's kernel suffixes: without and with double quantization (`_bnb4_args` says which)."""
+    return type_name.lower(), f"{type_name.lower()}_dq"
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Bnb4Gemv(CudaKernel):
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return tuple(name for sfx in _bnb4_suffixes(type_name)
+                     for name in (f"gemv_bnb4_stream_{sfx}", *(f"gemv_bnb4_{sfx}_{mr}" for mr in (1, 2, 4, 8))))
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         sfx, args = _bnb4_args(type_name, w, n, k)
         if m == 1 and k % 32 == 0 and k // 32 <= 512:  # the stream kernel: a thread per 32-value column of K
@@ -312,6 +360,9 @@ class Bnb4Gemv(CudaKernel):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Bnb4Dequant(CudaKernel):
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return tuple(f"dequantize_bnb4_{sfx}" for sfx in _bnb4_suffixes(type_name))
+
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import cublas
 
@@ -383,7 +434,7 @@ register(MulMatF(
                 "of llama.cpp's BF16 products above one row (activations rounded to bf16, products summed in fp32); "
                 "each lane's 16-byte loads of two weight rows and one activation row are the operands of two MMAs"))
 register(Mmq(
-    name="mmq", activation_format="q8_1_mmq", source="fast.cu", layout=L.MMQ, min_cc=80, weight_types=QUANT_TYPES,
+    name="mmq", activation_format="q8_1_mmq", source="mmq.cu", layout=L.MMQ, min_cc=80, weight_types=QUANT_TYPES,
     auto_rank=5,
     description="llama.cpp's MMQ formula on int8 tensor cores (mma.sync m16n8k32, one quant block per MMA), weights "
                 "repacked to signed int8 rows + block-major fp32 scales, Q8_1 activations quantized into the layout "
@@ -393,20 +444,20 @@ register(Mmq(
                 "fp16 MMA a stage; a scale per 16 values (Q2_K, Q6_K) as two k16 MMAs a block, Q3_K's folded into "
                 "its int8 values"))
 register(Mmq(
-    name="mmq_d2", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_d2", layout=L.MMQ_D2, min_cc=80,
+    name="mmq_d2", activation_format="q8_1_mmq", source="mmq.cu", entry="mmq_d2", layout=L.MMQ_D2, min_cc=80,
     weight_types=MMQ_D2_TYPES, auto_rank=6,
     description="mmq for Q6_K with its integer scales folded into the values (q * sc, 13 bits) held as two int8 "
                 "digits: two k32 MMAs a block (one a digit) and three fp32 FMAs an output where mmq's two k16 MMAs "
                 "(a scale per 16 values) take four; twice mmq's weight bytes (faster from 128 rows on the H100, "
                 "slower below)"))
 register(Mmq(
-    name="mmq_wgmma", activation_format="q8_1_mmq", source="fast.cu", entry="mmq_wgmma", layout=L.MMQ, min_cc=90,
+    name="mmq_wgmma", activation_format="q8_1_mmq", source="mmq_wgmma.cu", entry="mmq_wgmma", layout=L.MMQ, min_cc=90,
     max_cc=90, weight_types=MMQ_SIGNED_TYPES, auto_rank=6,
     description="mmq's formula, tiles, layouts and two-FMA epilogue through Hopper's asynchronous wgmma (two "
                 "warpgroups, m64n64k32 per quant block with operands read from shared memory by descriptor; the bias "
                 "made by a second wgmma on constant tiles; one block's epilogue overlapping the next block's MMAs)"))
 register(Gemv(
-    name="gemv", activation_format="q8_1_mmvq", source="fast.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT, min_cc=80,
+    name="gemv", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT, min_cc=80,
     max_m=8, weight_types=QUANT_TYPES, auto_rank=0,
     description="M <= 8 on the split weight layout: M = 1 a warp per weight row streaming 16-byte loads with several "
                 "in flight (dp4a; Q2_K and Q5_K split a row's K over 2 and 4 warps), started during the quantize "
@@ -419,7 +470,7 @@ register(Gemv(
                 "stage ahead); Q2_K (and the others below those rows) a warp per weight row, each decoded sub-block "
                 "reused for every activation row"))
 register(Gemv(
-    name="gemv_rows", activation_format="q8_1_mmvq", source="fast.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT,
+    name="gemv_rows", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.CHUNKED, acts=L.Q8_1_SPLIT,
     min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,
     description="M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per weight row, several 16-byte "
                 "loads in flight, dp4a) with each weight block reused for every activation row"))

@@ -1,5 +1,5 @@
 """Launch geometry shared by the CUDA kernels (kernels/cuda/kernels.py) and their layouts (layouts.py): grid
-arithmetic, mmq's tile sizes as fast.cu declares them, and the choice of mmq-layout quantizer.  No CuPy here."""
+arithmetic, mmq's tile sizes as mmq.cuh declares them, and the choice of mmq-layout quantizer.  No CuPy here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as fast.cu
+MMQ_BM, MMQ_BN, MMQ_BKB, MMQ_STAGES, MMQ_THREADS = 64, 128, 4, 2, 128  # as mmq.cuh
 MMQ_STAGE = (MMQ_BM + MMQ_BN) * MMQ_BKB * QK + MMQ_BKB * MMQ_BM * 8 + MMQ_BKB * MMQ_BN * 4
 MMQ_SMEM = MMQ_STAGES * (MMQ_STAGE + 8)  # MmqSmem::BYTES: the stage buffers and their mbarriers
 
@@ -50,7 +50,7 @@ def mmq_splits(sm_count: int, m: int, n: int, k: int) -> int:
     return max(1, min(stages, (MMQ_BLOCKS_PER_SM * sm_count) // tiles)) if tiles < sm_count else 1
 
 
-# gemv's M = 1 kernel for the grouped formats (fast.cu gemv1_<type>_s<S>): warps a weight row's K is split over,
+# gemv's M = 1 kernel for the grouped formats (gemv.cu gemv1_<type>_s<S>): warps a weight row's K is split over,
 # the fastest on the H100 (docs/performance.md: kernels at the limit); 1 for the others
 GROUPS_SPLIT = {"Q2_K": 2, "Q5_K": 2}
 
@@ -61,7 +61,7 @@ def groups_split(type_name: str) -> int:
 
 
 CHUNK_BLOCKS = 64  # common.cuh: K's chunk in gemv's layouts, and the skinny kernel's stage
-SKINNY_KB, SKINNY_ROWS, SKINNY_THREADS = CHUNK_BLOCKS, 16, 288  # as fast.cu: quant blocks a stage, weight rows, threads
+SKINNY_KB, SKINNY_ROWS, SKINNY_THREADS = CHUNK_BLOCKS, 16, 288  # as gemv.cu: quant blocks a stage, weight rows, threads
 
 
 def takes_skinny(type_name: str, m: int) -> bool:
@@ -88,7 +88,7 @@ def chunked_row_bytes(block_bytes: int, kb: int) -> int:
 
 def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None,
                    run_bytes: tuple[int, ...] = (), field_bytes: int = 0) -> int:
-    """A stage's 16 weight rows in the skinny kernel's shared memory (fast.cu F::WEIGHTS): a legacy format's chunks
+    """A stage's 16 weight rows in the skinny kernel's shared memory (gemv.cu F::WEIGHTS): a legacy format's chunks
     (`block_bytes`), a code-book format's quants and scales (`scale_bytes` a block), or a K-quant's value runs
     (`run_bytes` a super-block each, groups.py skinny_run_bytes), each row padded, and its scale fields
     (`field_bytes` a super-block, unpadded)."""

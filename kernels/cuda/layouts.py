@@ -101,8 +101,8 @@ class SplitPlanes(WeightLayout):
 
 
 class MmqTiles(WeightLayout):
-    """Signed (or, with a minimum, unsigned) int8 rows in the core-matrix order fast.cu's mmq copies, and
-    block-major fp32 scales, and minima as halves in row-major pieces (fast.cu MmqSmem; Q2_K's last two halves of a
+    """Signed (or, with a minimum, unsigned) int8 rows in the core-matrix order mmq.cuh's tiles copy, and
+    block-major fp32 scales, and minima as halves in row-major pieces (mmq.cuh MmqSmem; Q2_K's last two halves of a
     stage also as floats): llama.cpp's MMQ tiles, made on the host once.  `digits` 2 (mmq_d2): Q6_K's values with
     their integer scales folded in, each as two int8 digits (groups.py MMQ_D2_TYPES)."""
 
@@ -151,13 +151,13 @@ class MmqTiles(WeightLayout):
         if digits == 1:
             wq = cores(qp)
         else:  # two int8 digits (Q6_K's q * sc): each stage piece the low digits' 128 rows, then the high digits'
-            # (fast.cu D = 2), whose sum is in units of 2^-7 of mmq's: the scale d * 2^7 (exact)
+            # (mmq.cuh D = 2), whose sum is in units of 2^-7 of mmq's: the scale d * 2^7 (exact)
             wq = np.stack([cores(p) for p in int8_digits(qp)], axis=2)
             d = d * 128.0
         out = {"wq": cupy.asarray(np.ascontiguousarray(wq).reshape(-1)), "wd": cupy.asarray(scale_tiles(d))}
         if mins is not None:  # m_w, what the m_w s_a term multiplies by: halves (as in llama.cpp), the B operand of
             # mmq's fp16 MMA, [tile][stage][row][block][half]; for Q2_K (H = 2) each piece then has halves 6 and 7
-            # of its stage as floats [2][row] (fast.cu MmqSmem)
+            # of its stage as floats [2][row] (mmq.cuh MmqSmem)
             wm = scale_tiles(mins, np.float16, True)
             if h == 2:
                 f = scale_tiles(mins).reshape(nt, sb, MMQ_BKB * h, MMQ_BN)[:, :, 6:]
@@ -221,7 +221,7 @@ def _format(type_name: str) -> Any:
     return fmt
 
 
-PLANE_SLACK = 16  # bytes readable past a plane's end: fast.cu's skinny copies runs in 16-byte chunks
+PLANE_SLACK = 16  # bytes readable past a plane's end: gemv.cu's skinny copies runs in 16-byte chunks
 
 
 def _padded(shape: tuple[int, ...], dtype: Any, host: np.ndarray | None = None) -> Any:
@@ -385,7 +385,7 @@ class Q8_1Split(ActivationLayout):
 
 
 class Q8_1Mmq(ActivationLayout):
-    """Q8_1 tiled as fast.cu's mmq reads it, in pieces of 64 rows x one stage, with the scale layout llama.cpp's
+    """Q8_1 tiled as mmq.cuh's tiles read it, in pieces of 64 rows x one stage, with the scale layout llama.cpp's
     MMQ quantizes into for the weights' format: "mmq_d4" d_a in float; "mmq_ds4" d_a a half; "mmq_ds4s" and the
     block sums its m_w s_a term reads (formats with a minimum); "mmq_d2s6" Q2_K's half d_a per 64 values and
     half sums of 16."""
@@ -394,7 +394,7 @@ class Q8_1Mmq(ActivationLayout):
 
     def __init__(self, name: str, half_d: bool, sums: int):
         super().__init__(name)
-        # sums: s_a per block: 0; 1 (DS4: a half, [tile][stage][row][block]); 2 (D2S6: per half block, fast.cu
+        # sums: s_a per block: 0; 1 (DS4: a half, [tile][stage][row][block]); 2 (D2S6: per half block, mmq.cuh
         # MmqSmem H = 2: pieces of [row][8] halves and [2][row] floats)
         self.half_d, self.sums = half_d, sums
 

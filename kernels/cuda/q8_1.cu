@@ -125,9 +125,9 @@ extern "C" __global__ void quantize_q8_1_split(const float* __restrict__ x, i8* 
 // and by stages of 4 quant blocks (128 values of K), each (row tile, stage) one contiguous piece, so that the
 // GEMM copies a stage with fixed offsets:
 //   qs: [M/64][SB][64 x 128] int8, 8 KiB a piece in core-matrix order: byte (r, k) at
-//       ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16 (see fast.cu's mmq)
+//       ((r/8)*8 + k/16)*128 + (r%8)*16 + k%16 (see mmq.cuh)
 //   dc: [M/64][SB][4 blocks][64 rows] float2 (d * 2^111, -d * 2^-19): the GEMM's epilogue turns its
-//       2^19-biased int32 into d*sumi*2^-38 with one FFMA (fast.cu); d is the block's scale in float
+//       2^19-biased int32 into d*sumi*2^-38 with one FFMA (mmq.cuh); d is the block's scale in float
 //       (llama.cpp's D4 layout, Q8_0 weights) or rounded to half (DS4, Q4_0), per `half_d`
 //   sa (weights with a minimum only, else null): [M/64][SB][64 rows][4 blocks] half, the block's sum of x
 //       (four values a lane added in order, then a butterfly over the block's 8 lanes) rounded to half as
@@ -249,7 +249,7 @@ quantize_q8_1_mmq_pair(const float* __restrict__ x, i8* __restrict__ qs, float2*
 
 // Q2_K's MMQ activations, llama.cpp's D2S6 layout (quantize_mmq_q8_1<D2S6>): one scale per 64 values (amax over
 // 16 lanes), rounded to half; a half sum per 16 values (four a lane in order, then a butterfly over 4 lanes)
-// for the first 96 values of every 128.  Written into the mmq layout (fast.cu MmqSmem, H = 2: a piece of 1536
+// for the first 96 values of every 128.  Written into the mmq layout (mmq.cuh MmqSmem, H = 2: a piece of 1536
 // bytes per 64 rows and stage): the sums of halves 0-5 as halves [64 rows][8] (6 and 7: zeros), the A operand
 // of mmq's fp16 MMA; then halves 6 and 7 as float [2][64] times 2^-38, d * Σq (exact: an 11-bit d times an
 // 11-bit sum), the term llama.cpp's vec_dot_q2_K_q8_1_mma forms from their integer sums there.
