@@ -286,7 +286,7 @@ class SettingsError(ValueError):
 
 # the development tools' commands (tools/cli.py): `qgemm bench ...` runs `python -m tools bench ...` in this process's
 # place, so that the product never imports the tools that stand on it
-TOOLS = ("bench", "side-by-side", "loadtest", "soak", "parity", "ceiling")
+TOOLS = ("bench", "side-by-side", "loadtest", "soak", "parity", "ceiling", "ggml")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -311,7 +311,7 @@ def _timing_note(result: dict[str, Any]) -> str:
 def _llama_note(result: dict[str, Any]) -> str:
     source = result.get("llama_cpp_source")
     if not source:
-        return "none given (`--llama-cpp FILE`: perf.sh's output of the same machine session)."
+        return "none given (`--llama-cpp FILE`: `qgemm ggml perf`'s output of the same machine session)."
     return (f"`{source}` (ggml's test-backend-ops perf -o MUL_MAT, same buffers), which must come from the same "
             "machine session to compare.")
 

@@ -1,6 +1,6 @@
-"""The development tools' commands: bench, side-by-side, loadtest, soak and parity (`python -m tools COMMAND`, or
-`qgemm COMMAND`, which hands over to this).  They stand on the product (app/, kernels/, models/); nothing there
-imports them."""
+"""The development tools' commands: bench, side-by-side, loadtest, soak, ceiling, ggml and parity (`python -m tools
+COMMAND`, or `qgemm COMMAND`, which hands over to this).  They stand on the product (app/, kernels/, models/);
+nothing there imports them."""
 
 from __future__ import annotations
 
@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.parity import main as parity_main
 
         return parity_main(argv[1:])
+    if argv and argv[0] == "ggml":
+        from tools.ggml_harness import main as ggml_main
+
+        return ggml_main(argv[1:])
     parser = argparse.ArgumentParser(prog="qgemm", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("bench", help="time every available kernel on the seeds' shapes (needs a GPU)")
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     from tools.ceiling import add_arguments as ceiling_arguments
 
     ceiling_arguments(p)
+    sub.add_parser("ggml", help="build llama.cpp's ggml from a checkout you name and write its products or MUL_MAT "
+                                "times on this GPU (qgemm ggml --help)")
     sub.add_parser("parity", help="qgemm's products against ggml's own on the same bytes (qgemm parity --help)")
     return dispatch(parser, argv, {"bench": cmd_bench, "side-by-side": cmd_side_by_side, "loadtest": cmd_loadtest,
                                    "soak": cmd_soak, "ceiling": cmd_ceiling})

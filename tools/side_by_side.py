@@ -35,7 +35,7 @@ def parse_perf(text: str) -> dict[Key, float]:
 
 
 def load_llama_cpp(path: str | Path) -> dict[Key, float]:
-    """llama.cpp's times from perf.sh's output, or from a side-by-side.json written by this module."""
+    """llama.cpp's times from `qgemm ggml perf`'s output, or from a side-by-side.json written by this module."""
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
         doc = json.loads(text)
@@ -161,7 +161,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", required=True, help="bench.json of `qgemm bench` (run with --llama-cpp or not)")
-    p.add_argument("--llama-cpp", required=True, help="perf.sh's output (test-backend-ops perf -o MUL_MAT)")
+    p.add_argument("--llama-cpp", required=True, help="`qgemm ggml perf`'s output (test-backend-ops perf -o MUL_MAT)")
     p.add_argument("--out", default="docs/perf", help="directory for side-by-side.json, .md and .png")
     p.add_argument("--update", action="store_true",
                    help="replace only the shapes this run measured in the side-by-side.json already in --out")
