@@ -1,15 +1,20 @@
 """Model files that change under a running server: rewritten in place, replaced by a rename, truncated,
 deleted.  No product is ever computed over bytes that no longer match the table it was checked against:
-the answer is the new file's product, or a 404 when the file is gone or broken, never a 500.  The same
-on the CUDA backend (gpu-marked), where the old version's GPU copies are dropped too."""
+the answer is the new file's product, or a 404 when the file is gone or broken, never a 500.  In each deployment:
+the app with its engine in process, and `qgemm serve` with a front and an engine process, each reading the file
+for itself (the engine multiplies the version the front checked, or the front reads the file again).  The same on
+the CUDA backend (gpu-marked), where the old version's GPU copies are dropped too."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -18,9 +23,12 @@ from kernels import reference as ref
 from models.demo import write_gguf
 from models.store import FileChanged, ModelStore
 from tests.conftest import make_client
+from tests.live import Server
 
 Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
-BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# (backend, deployment): the process family on the CPU as CI runs it; the CUDA backend in process (gpu-marked)
+SERVERS = [pytest.param("cpu", "in-process", id="cpu-in-process"), pytest.param("cpu", "fronts", id="cpu-fronts"),
+           pytest.param("cuda", "in-process", id="cuda-in-process", marks=pytest.mark.gpu)]
 TIMESTAMP_TICK_S = 0.02  # past the file system's timestamp granularity (models/store.py: FileId)
 
 
@@ -40,6 +48,21 @@ def expected(data: bytes, tmp: Path, x: np.ndarray) -> np.ndarray:
     info = model.tensors["w"]
     w = ref.prepare_block_weights(info.type_name, model.raw("w"))
     return ref.ref_q8_1(w, ref.quantize_q8_1(x)).astype(np.float64)
+
+
+@contextmanager
+def serving(models: Path, backend: str, deployment: str) -> Iterator:
+    """A client of the API over `models`: TestClient of the app in process, or httpx's of a `qgemm serve`."""
+    if deployment == "in-process":
+        with make_client(models, backend=backend) as c:
+            yield c
+        return
+    server = Server(models, fronts=1, QGEMM_BACKEND=backend).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            yield c
+    finally:
+        server.stop()
 
 
 def product(client, x: np.ndarray) -> tuple[int, dict]:
@@ -64,14 +87,14 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     return models, scratch
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rewritten_in_place_with_another_shape(files: tuple[Path, Path], backend: str,
+@pytest.mark.parametrize(("backend", "deployment"), SERVERS)
+def test_rewritten_in_place_with_another_shape(files: tuple[Path, Path], backend: str, deployment: str,
                                                rng: np.random.Generator) -> None:
     models, scratch = files
     old, new = model_bytes(scratch, (64, 256), 1), model_bytes(scratch, (96, 512), 2)
     (models / "m.gguf").write_bytes(old)
     x_old, x_new = rng.standard_normal((3, 256)), rng.standard_normal((2, 512))
-    with make_client(models, backend=backend) as c:
+    with serving(models, backend, deployment) as c:
         assert_product(c, x_old, expected(old, scratch, x_old))
         with open(models / "m.gguf", "r+b") as fh:  # the same inode: truncated and written again
             fh.truncate(0)
@@ -86,8 +109,8 @@ def test_rewritten_in_place_with_another_shape(files: tuple[Path, Path], backend
             assert versions == {c.app.state.store.get("m").version_key}  # the old version's copies are gone
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rewritten_in_place_with_the_same_size(files: tuple[Path, Path], backend: str,
+@pytest.mark.parametrize(("backend", "deployment"), SERVERS)
+def test_rewritten_in_place_with_the_same_size(files: tuple[Path, Path], backend: str, deployment: str,
                                                rng: np.random.Generator) -> None:
     """Same shape, same size, other values: only the mtime tells (one timestamp tick later)."""
     models, scratch = files
@@ -95,7 +118,7 @@ def test_rewritten_in_place_with_the_same_size(files: tuple[Path, Path], backend
     assert len(old) == len(new) and old != new
     (models / "m.gguf").write_bytes(old)
     x = rng.standard_normal((1, 256))
-    with make_client(models, backend=backend) as c:
+    with serving(models, backend, deployment) as c:
         assert_product(c, x, expected(old, scratch, x))
         time.sleep(TIMESTAMP_TICK_S)
         with open(models / "m.gguf", "r+b") as fh:
@@ -103,26 +126,28 @@ def test_rewritten_in_place_with_the_same_size(files: tuple[Path, Path], backend
         assert_product(c, x, expected(new, scratch, x))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_replaced_by_rename(files: tuple[Path, Path], backend: str, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(("backend", "deployment"), SERVERS)
+def test_replaced_by_rename(files: tuple[Path, Path], backend: str, deployment: str,
+                            rng: np.random.Generator) -> None:
     models, scratch = files
     old, new = model_bytes(scratch, (64, 256), 5), model_bytes(scratch, (64, 256), 6)
     (models / "m.gguf").write_bytes(old)
     x = rng.standard_normal((5, 256))
-    with make_client(models, backend=backend) as c:
+    with serving(models, backend, deployment) as c:
         assert_product(c, x, expected(old, scratch, x))
         (scratch / "next.gguf").write_bytes(new)
         os.replace(scratch / "next.gguf", models / "m.gguf")
         assert_product(c, x, expected(new, scratch, x))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_truncated_then_restored(files: tuple[Path, Path], backend: str, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(("backend", "deployment"), SERVERS)
+def test_truncated_then_restored(files: tuple[Path, Path], backend: str, deployment: str,
+                                 rng: np.random.Generator) -> None:
     models, scratch = files
     data = model_bytes(scratch, (64, 256), 7)
     (models / "m.gguf").write_bytes(data)
     x = rng.standard_normal((2, 256))
-    with make_client(models, backend=backend) as c:
+    with serving(models, backend, deployment) as c:
         assert_product(c, x, expected(data, scratch, x))
         os.truncate(models / "m.gguf", len(data) // 2)
         status, body = product(c, x)
@@ -135,14 +160,14 @@ def test_truncated_then_restored(files: tuple[Path, Path], backend: str, rng: np
         assert_product(c, x, expected(data, scratch, x))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_deleted(files: tuple[Path, Path], backend: str, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(("backend", "deployment"), SERVERS)
+def test_deleted(files: tuple[Path, Path], backend: str, deployment: str, rng: np.random.Generator) -> None:
     models, scratch = files
     data = model_bytes(scratch, (64, 256), 8)
     (models / "m.gguf").write_bytes(data)
     (models / "other.gguf").write_bytes(data)
     x = rng.standard_normal((1, 256))
-    with make_client(models, backend=backend) as c:
+    with serving(models, backend, deployment) as c:
         assert_product(c, x, expected(data, scratch, x))
         if backend == "cuda":
             assert c.post("/v1/models/other/load").status_code == 200
