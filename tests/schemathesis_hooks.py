@@ -45,6 +45,8 @@ class TensorShapes:
                 if t.matmul:
                     self.k[(m.id, t.name)] = t.shape[1]
                     self.types[(m.id, t.name)] = t.type_name
+        # the document's example tensor where this directory has it, else the first multipliable one
+        self.example = ("demo", "tiny.q4_0.weight") if ("demo", "tiny.q4_0.weight") in self.k else next(iter(self.k))
         self.kernels: dict[str, set[str]] = {}
         for spec in KERNELS.values():
             if spec.backend == "cpu":
@@ -110,8 +112,11 @@ def fit_to_tensor(ctx: schemathesis.HookContext, case: schemathesis.Case) -> sch
     if (case.media_type in (None, "application/json") and isinstance(case.body, dict)
             and isinstance(case.body.get("activations"), list)):
         case.body = shapes().fit_json(case.body)
-    elif case.media_type in (NPY, OCTETS) and case.query:
-        case.query = shapes().fit_query(case.query)
+    elif case.media_type in (NPY, OCTETS):
+        query = dict(case.query or {})
+        if not query.get("model") or not query.get("tensor"):  # a .npy body names its tensor in the query: the
+            query["model"], query["tensor"] = shapes().example  # route's words say so, its schema cannot
+        case.query = shapes().fit_query(query)
     return case
 
 

@@ -1,10 +1,11 @@
 """Schemathesis against the app: every operation of /openapi.json, all checks, stateful links too.
 
 The app runs on the CPU backend over the test models directory (demo, SmolLM2 and the broken files),
-once without and once with an API key.  Schemathesis draws from this run's seed (QGEMM_TEST_SEED,
-printed in the summary), so a failure replays.  QGEMM_SCHEMATHESIS_EXAMPLES sets the examples per
-operation (default 25), QGEMM_SCHEMATHESIS_STEPS the stateful run's steps.  The settings are the
-repository's schemathesis.toml, so `st run http://127.0.0.1:8000/openapi.json --checks all` against a
+once without and once with an API key, in process; and once through `qgemm serve` with a front and engine
+processes, over HTTP, so that a difference between the deployments fails here too.  Schemathesis draws from
+this run's seed (QGEMM_TEST_SEED, printed in the summary), so a failure replays.  QGEMM_SCHEMATHESIS_EXAMPLES
+sets the examples per operation (default 25), QGEMM_SCHEMATHESIS_STEPS the stateful run's steps.  The settings
+are the repository's schemathesis.toml, so `st run http://127.0.0.1:8000/openapi.json --checks all` against a
 live server runs the same (docs/api.md, "API conformance"); tests/schemathesis_hooks.py says what its hooks
 supply and why.
 """
@@ -16,12 +17,14 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+import hypothesis
 import schemathesis
 
 from app.main import create_app
 from app.settings import Settings
 from tests import schemathesis_hooks
 from tests.conftest import RUN_SEED, find_real_models_dir, populate_models_dir
+from tests.live import Server
 
 EXAMPLES = int(os.environ.get("QGEMM_SCHEMATHESIS_EXAMPLES", "25"))
 STEPS = int(os.environ.get("QGEMM_SCHEMATHESIS_STEPS", "40"))
@@ -32,17 +35,20 @@ MODELS_DIR = populate_models_dir(Path(tempfile.mkdtemp(prefix="qgemm-schemathesi
 schemathesis_hooks.use_models_dir(MODELS_DIR)
 
 
-def api_schema(api_key: str | None, examples: int) -> schemathesis.BaseSchema:
-    """Built at import, as schemathesis' pytest plugin wants (its lazy fixture loader fails under pytest 9)."""
-    config = schemathesis.Config.from_dict({
+def run_config(api_key: str | None, examples: int) -> schemathesis.Config:
+    return schemathesis.Config.from_dict({
         **SETTINGS,
         **({"auth": {"openapi": {"bearer": {"bearer": api_key}}}} if api_key else {}),
         "seed": RUN_SEED,
         "generation": {"max-examples": examples, "database": "none"},
         "phases": {"stateful": {"max-steps": STEPS}},
     })
+
+
+def api_schema(api_key: str | None, examples: int) -> schemathesis.BaseSchema:
+    """Built at import, as schemathesis' pytest plugin wants (its lazy fixture loader fails under pytest 9)."""
     app = create_app(Settings(models_dir=MODELS_DIR, backend="cpu", api_key=api_key))
-    return schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
+    return schemathesis.openapi.from_asgi("/openapi.json", app, config=run_config(api_key, examples))
 
 
 schema = api_schema(None, EXAMPLES)
@@ -63,6 +69,29 @@ def test_every_operation_conforms_with_an_api_key(case: schemathesis.Case) -> No
 
 def test_stateful_links() -> None:
     schema.as_state_machine().run()
+
+
+def test_every_operation_conforms_through_the_fronts() -> None:
+    """The same checks, drawn across every operation, against `qgemm serve` with a front and an engine process
+    over the same models (the hooks' names hold there too), then its stateful links.  One CPU device, as in
+    process: with two, `load` prepares every tensor of a model on each engine, seconds on a CPU (the API tests
+    walk two engines)."""
+    server = Server(MODELS_DIR, fronts=1, QGEMM_BACKEND="cpu").start()
+    try:
+        live = schemathesis.openapi.from_url(f"{server.url}/openapi.json", config=run_config(None, EXAMPLES))
+
+        @hypothesis.seed(RUN_SEED)
+        @hypothesis.settings(max_examples=EXAMPLES * 6, deadline=None, database=None,
+                             suppress_health_check=list(hypothesis.HealthCheck),
+                             phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])  # report, not shrink
+        @hypothesis.given(case=live.as_strategy())
+        def conforms(case: schemathesis.Case) -> None:
+            case.call_and_validate()
+
+        conforms()
+        live.as_state_machine().run()
+    finally:
+        server.stop()
 
 
 def _document(api_key: str | None) -> dict:
