@@ -183,8 +183,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The deployments a request can reach the engine through: the app with its engine in process (TestClient; `qgemm
 # serve --fronts 0` and a Ray replica serve the same app), and `qgemm serve` as a user starts it, an HTTP front
-# and engine processes.  The API, bad-input and file-change tests take `api`, so that a difference between them
-# is a failing test.
+# and engine processes.  The API, bad-input and model-route tests take `api` (the schemathesis and file-change tests
+# start their own of each), so that a difference between them is a failing test.
 DEPLOYMENTS = ("in-process", "fronts")
 
 
