@@ -55,3 +55,13 @@ def test_a_timer_without_the_perf_list_is_refused(tmp_path: Path) -> None:
     tbo.write_text("int main() {}\n")
     with pytest.raises(SystemExit, match="make_test_cases_perf"):
         H.patched_test_backend_ops(tbo, tmp_path / "build", "")
+
+
+def test_a_models_matmul_shapes_become_its_perf_cases(models_dir: Path) -> None:
+    """`--model FILE`: each distinct matmul tensor shape of a GGUF (ggml's type names), each at every M asked."""
+    shapes = H.model_shapes(models_dir / "demo.gguf")
+    assert shapes and len(set(shapes)) == len(shapes)
+    assert ("q4_0", 33, 64) in shapes and all(n > 0 and k > 0 for _, n, k in shapes)
+    cases = H.shape_cases(shapes, [1, 8])
+    assert cases.count("test_cases.emplace_back(") == 2 * len(shapes)
+    assert "new test_mul_mat(GGML_TYPE_Q4_0, GGML_TYPE_F32, 33, 8, 64, {1, 1}, {1, 1})" in cases

@@ -8,8 +8,8 @@ harness in tools/ggml/, and runs one of:
   type and M (tools/ggml/qcheck.c: OUT/TYPE.w.bin, OUT/x.f32, OUT/TYPE.M.y.f32), then, with `--compare`,
   `python -m tools.parity OUT` on the same bytes;
 - `perf OUT`: ggml's `test-backend-ops perf -o MUL_MAT` on the shapes asked for (N = 4096 weight rows, each M and K,
-  each type): ggml's time per op on the same buffers, its FP32 -> Q8_1 step included, in the format
-  `qgemm side-by-side --llama-cpp` reads.
+  each type; or, with `--model FILE`, each distinct matmul shape of a GGUF file, at each M): ggml's time per op on
+  the same buffers, its FP32 -> Q8_1 step included, in the format `qgemm side-by-side --llama-cpp` reads.
 
 The source (`--ggml`) is a llama.cpp checkout (its `ggml/` and `tests/test-backend-ops.cpp`), or a ggml source tree
 or a `.tar.xz` of one (products only: the timer lives in llama.cpp's tests).  The figures in docs/ were made at
@@ -90,6 +90,31 @@ def perf_cases(types: list[str], n: int, ms: list[int], ks: list[int]) -> str:
 """
 
 
+def model_shapes(path: Path) -> list[tuple[str, int, int]]:
+    """(ggml type, N, K) of every distinct matmul tensor of a GGUF file, as its table says."""
+    from models.store import ModelStore
+
+    model = ModelStore(path.parent).get(path.stem)
+    if model.status != "ok":
+        raise SystemExit(f"qgemm ggml: {path} could not be read: {model.error}")
+    return sorted({(t.type_name.lower().replace("_k", "_K"), t.shape[0], t.shape[1])
+                   for t in model.tensors.values() if t.matmul})
+
+
+def shape_cases(shapes: list[tuple[str, int, int]], ms: list[int]) -> str:
+    """C++ for test-backend-ops' perf list: MUL_MAT of each (type, N, K) at each M, only these when
+    QGEMM_PERF_SHAPES is set."""
+    lines = "\n".join(f"        test_cases.emplace_back(new test_mul_mat(GGML_TYPE_{t.upper()}, GGML_TYPE_F32, {n}, "
+                       f"{m}, {k}, {{1, 1}}, {{1, 1}}));" for t, n, k in shapes for m in ms)
+    return f"""
+    {PERF_MARK}
+    if (getenv("QGEMM_PERF_SHAPES")) {{
+{lines}
+        return test_cases;
+    }}
+"""
+
+
 def patched_test_backend_ops(tbo: Path, build: Path, cases: str) -> Path:
     """A copy of test-backend-ops.cpp whose perf list starts with `cases` (written only when it changes, so that a
     rerun of the same shapes does not rebuild)."""
@@ -140,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=11, help="products: the weights' seed")
     p.add_argument("--seconds", type=int, default=600, help="perf: stop after this long, keeping what finished")
     p.add_argument("--compare", action="store_true", help="products: then python -m tools.parity OUT")
+    p.add_argument("--model", type=Path, default=None,
+                   help="perf: time each distinct matmul shape (type, N, K) of this GGUF file, at each --m")
     args = p.parse_args(argv)
     types = args.types.replace(",", " ").split()
     build = args.build.resolve()
@@ -160,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("qgemm ggml perf needs a llama.cpp checkout: its tests/test-backend-ops.cpp times the ops")
     ks = [int(v) for v in (args.k or "4096,14336").split(",")]
     ms_perf = [int(v) for v in (args.m or "1,8,32,128,512,2048").split(",")]
-    copy = patched_test_backend_ops(tbo, build, perf_cases(types, args.n or 4096, ms_perf, ks))
+    cases = shape_cases(model_shapes(args.model.resolve()), ms_perf) if args.model is not None \
+        else perf_cases(types, args.n or 4096, ms_perf, ks)
+    copy = patched_test_backend_ops(tbo, build, cases)
     configure_and_build(ggml, build, ["test-backend-ops"], not args.cpu, args.arch, copy)
     backend = "CPU" if args.cpu else "CUDA0"
     with open(args.out, "w") as f:
