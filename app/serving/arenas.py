@@ -161,6 +161,7 @@ class Arena:
         self.shm = self._create(self.size)
         self.name = self.shm.name.lstrip("/")
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), sorted by offset
+        self._base = np.frombuffer(self.shm.buf, np.uint8).ctypes.data  # the mapping's address (for `contains`)
 
     def _create(self, nbytes: int) -> SharedMemory:
         """A new segment of this front's, under a fresh name (another where one is taken)."""
@@ -190,8 +191,7 @@ class Arena:
 
     def contains(self, a: np.ndarray) -> int | None:
         """The offset of `a`'s first byte in the arena, where `a` lies in it (a body read in place), else None."""
-        base = np.frombuffer(self.shm.buf, np.uint8).ctypes.data
-        at = a.ctypes.data - base
+        at = a.ctypes.data - self._base
         return at if 0 <= at and at + a.nbytes <= self.size else None
 
     def slot(self, m: int, k: int, n: int, spill: bool = True) -> Slot:
