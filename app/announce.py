@@ -24,13 +24,14 @@ def announce_version() -> None:
 def announce(settings: Settings, engine: Engine) -> None:
     """The start, one line each: the backend and its devices (a warning, with the fix, when a GPU is present but
     cannot serve)."""
-    if engine.cuda is not None:
+    if engine.gpu is not None:
         for w in engine.pools["cuda"]:
             b = w.backend
             used, budget = b.memory()
+            cc = b.cc or 0
             log.info("backend cuda: %s %s (compute capability %d.%d, %d SMs), weight budget %.1f GiB, kernels "
-                     "compiled in %.0f ms", b.label, b.device_name, b.cc // 10, b.cc % 10, b.sm_count, budget / GiB,
-                     b.compile_ms)
+                     "compiled in %.0f ms", b.label, b.device_name, cc // 10, cc % 10, b.sm_count or 0, budget / GiB,
+                     b.compile_ms or 0.0)
     elif engine.devices.gpu_present:
         log.warning("backend cpu (numpy), although an NVIDIA GPU is present: %s", engine.cuda_error)
     else:

@@ -29,7 +29,7 @@ from app.scheduler import Answer, BatchAnswer, settle_future
 from app.settings import Settings
 from app.tensors import effective, weight_bytes, weights
 from app.workers import Worker
-from kernels.backend import InFlight
+from kernels.backend import Backend, InFlight
 from kernels.devices import open_devices
 from kernels.errors import InvalidRequest, Overloaded
 from kernels.kernel import Kernel
@@ -74,9 +74,14 @@ class Engine:
 
     # -- what is here -------------------------------------------------------------------------
     @property
-    def cuda(self) -> Any:
+    def gpu(self) -> Backend | None:
         """The first GPU's backend (it answers the registry's questions: all GPUs alike), or None."""
         return self.chooser.cuda
+
+    @property
+    def compile_ms(self) -> float | None:
+        """The first GPU's kernel compile time at start-up, or None on the CPU."""
+        return self.gpu.compile_ms if self.gpu is not None else None
 
     @property
     def cuda_error(self) -> str | None:
@@ -84,11 +89,11 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        return "cuda" if self.cuda is not None else "cpu"
+        return "cuda" if self.gpu is not None else "cpu"
 
     @property
     def device(self) -> str | None:
-        return self.cuda.device_name if self.cuda is not None else None
+        return self.gpu.device_name if self.gpu is not None else None
 
     @property
     def workers(self) -> list[Worker]:
@@ -220,7 +225,7 @@ class Engine:
                 except InvalidRequest as exc:
                     done(exc)
                     return
-            done(Answer(got.output, got.spec, got.result, {"requests": got.requests, "rows": got.rows},
+            done(Answer(got.output, got.kernel, got.result, {"requests": got.requests, "rows": got.rows},
                         got.queue_ms, [worker.label], got.x_amax))
 
         worker.scheduler.enqueue(key, job, x, c.kernel, out, settle)
@@ -237,7 +242,7 @@ class Engine:
         """The general case: large X (checked from the max|x| the device measures), several devices."""
         info, scheme, eff, spec = c.info, c.scheme, c.eff, c.kernel
         # large X on a GPU: its values are checked from the max|x| per row the device measures as it quantizes
-        on_device = x.size > INLINE_VALUES and self.cuda is not None
+        on_device = x.size > INLINE_VALUES and self.gpu is not None
         if x.size <= INLINE_VALUES or (on_device and x.dtype == np.float32 and x.flags.c_contiguous):
             x32 = self.prepare(c, x, values=not on_device)
         else:  # large X: its checks (or its conversion) take milliseconds, off the event loop
@@ -250,7 +255,7 @@ class Engine:
             replica: Replica = (Part(0, 0, info.shape[0]),)
         else:
             found = self.placement_of(backend, model, info, scheme, eff)
-            replica = self.placements[backend].pick(found, lambda d: pool[d].load())
+            replica = self.placements[backend].pick(found, lambda d: pool[d].backlog())
         self._admit([pool[part.device] for part in replica])
         # a large output is written by the GPU into pinned memory of its own: no copy, no join of a split's blocks
         if out is None and backend == "cuda" and self.outputs:
@@ -292,7 +297,7 @@ class Engine:
         result = Result(np.concatenate([a.output for a in answers], axis=1) if out is None else out,
                         first.result.backend, first.result.activation_format, timing,
                         finite=finite)  # the parts ran at once: each step's slowest
-        return Answer(result.output, first.spec, result, first.batch, max(a.queue_ms for a in answers),
+        return Answer(result.output, first.kernel, result, first.batch, max(a.queue_ms for a in answers),
                       [pool[p.device].label for p in replica], x_amax)
 
     async def _run_batch(self, worker: Worker, job: Job, spec: Kernel | None, parts: list[np.ndarray],
@@ -323,6 +328,11 @@ class Engine:
             await asyncio.sleep(0 if time.perf_counter() - t0 < POLL_SPIN_S else POLL_SLEEP_S)
             if inflight.done:
                 return inflight.result()
+
+    def time_product(self, kernel: Kernel, w: Any, x: np.ndarray) -> dict[str, float]:
+        """One product of X by `kernel` on its first device, outside the scheduler (tools that time kernels on
+        resident weights: .../quantization); its timing_ms.  Blocks: call it off the event loop."""
+        return self.pools[kernel.backend][0].backend.submit(kernel, w, [x]).result().timing_ms
 
     def preload(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None = None,
                 devices: list[int] | None = None, how: Literal["replicate", "split"] | None = None,

@@ -55,10 +55,10 @@ def time_schemes(engine: Any, model: Model, info: TensorInfo, rows: list[dict[st
         for m in ms:
             x = rng.standard_normal((m, k), dtype=np.float32)
             spec = engine.choose("auto", eff, m)
-            engine.cuda.run(spec, w, x)  # warm-up: uploads the layout, loads the kernel
+            engine.time_product(spec, w, x)  # warm-up: uploads the layout, loads the kernel
             times = []
             for _ in range(TIMING_RUNS):
-                t = engine.cuda.run(spec, w, x).timing_ms
+                t = engine.time_product(spec, w, x)
                 times.append(t["quantize"] + t["gemm"])
             row["kernel"][str(m)] = spec.name
             row["gemm_us"][str(m)] = round(statistics.median(times) * 1e3, 2)

@@ -55,7 +55,7 @@ async def hold(model_id: str) -> Held:
     missing or broken is held as it is: the request itself then gets the API's 404 or 409."""
     assert _app is not None
     engine = _app.state.engine
-    if engine.cuda is not None:
+    if engine.gpu is not None:
         model = next((m for m in _app.state.store.scan() if m.id == model_id and m.status == "ok"), None)
         if model is not None:
             infos = [t for t in model.tensors.values() if t.matmul]

@@ -41,7 +41,7 @@ class BatchAnswer:
     """What one chunk got back from the batch it ran in."""
 
     output: np.ndarray
-    spec: Kernel
+    kernel: Kernel  # the kernel that ran
     result: Result
     requests: int  # chunks in that batch
     rows: int  # rows in that batch
@@ -55,7 +55,7 @@ class Chunk:
 
     rows: np.ndarray  # float32 [m, K]
     context: Any  # what run_batch needs to find the weights (the same for a whole queue)
-    spec: Kernel | None  # None: auto, picked by the batch's M
+    kernel: Kernel | None  # None: auto, picked by the batch's M
     settle: Callable[[BatchAnswer | BaseException], None]  # called once, with its answer or the batch's error
     out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
     enqueued: float = field(default_factory=time.perf_counter)
@@ -64,7 +64,7 @@ class Chunk:
 @dataclass
 class Answer:
     output: np.ndarray
-    spec: Kernel
+    kernel: Kernel  # the kernel that ran
     result: Result  # the (last) batch's result: backend, activation format, timing
     batch: dict[str, int]  # {"requests", "rows"} of the largest batch this request ran in (+ "chunks" if cut)
     queue_ms: float
@@ -98,8 +98,8 @@ RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray
 class Scheduler:
     def __init__(self, run_batch: RunBatch, max_rows: int, wait_us: int,
                  observe: Callable[[int, int], None] | None = None):
-        """`run_batch(context, spec, parts, alone, outs)` runs the product of the stacked parts on the device
-        and returns (the spec that ran, its Result); `alone`: nothing else waits (the backend may then take
+        """`run_batch(context, kernel, parts, alone, outs)` runs the product of the stacked parts on the device
+        and returns (the kernel that ran, its Result); `alone`: nothing else waits (the backend may then take
         its lowest-latency path); `outs`: per part, an array its rows may be written into (None: the
         Result's output holds them; where it does, they are copied into the part's array);
         `observe(requests, rows)` sees each batch."""
@@ -116,23 +116,23 @@ class Scheduler:
     def depth(self) -> int:
         return self.waiting
 
-    async def submit(self, key: Hashable, context: Any, x: np.ndarray, spec: Kernel | None,
-                     chunk_spec: Callable[[int], Kernel], out: np.ndarray | None = None) -> Answer:
-        """Queue X [M, K] under `key` (a tensor); `spec` None is auto.
-        `chunk_spec(rows)` names the kernel for a request cut into chunks of `rows`.
+    async def submit(self, key: Hashable, context: Any, x: np.ndarray, kernel: Kernel | None,
+                     chunk_kernel: Callable[[int], Kernel], out: np.ndarray | None = None) -> Answer:
+        """Queue X [M, K] under `key` (a tensor); `kernel` None is auto.
+        `chunk_kernel(rows)` names the kernel for a request cut into chunks of `rows`.
         `out` [M, N]: the array the answer's output is written into (no join of chunks then)."""
         m = x.shape[0]
         step = self.max_rows
-        if m > step and spec is None:
-            spec = chunk_spec(step)
-        if spec is not None and spec.max_m is not None:
-            step = min(step, spec.max_m)
+        if m > step and kernel is None:
+            kernel = chunk_kernel(step)
+        if kernel is not None and kernel.max_m is not None:
+            step = min(step, kernel.max_m)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(0, m, step)]
-        chunks = [Chunk(x[i:i + step], context, spec, partial(settle_future, f),
+        chunks = [Chunk(x[i:i + step], context, kernel, partial(settle_future, f),
                         None if out is None else out[i:i + step])
                   for i, f in zip(range(0, m, step), futures, strict=True)]
-        qkey = (key, spec.name if spec is not None else None)
+        qkey = (key, kernel.name if kernel is not None else None)
         if not self.busy and len(chunks) == 1 and not self.queues:
             # the device is idle and nobody waits: run in this coroutine (no task, no queue)
             self.busy = True
@@ -151,15 +151,15 @@ class Scheduler:
             batch["chunks"] = len(answers)
         amaxes = [a.x_amax for a in answers]
         x_amax = None if None in amaxes else max(amaxes, key=lambda v: v if v == v else math.inf)  # NaN wins
-        return Answer(out, answers[-1].spec, answers[-1].result, batch, max(a.queue_ms for a in answers),
+        return Answer(out, answers[-1].kernel, answers[-1].result, batch, max(a.queue_ms for a in answers),
                       x_amax=x_amax)
 
-    def enqueue(self, key: Hashable, context: Any, x: np.ndarray, spec: Kernel | None, out: np.ndarray | None,
+    def enqueue(self, key: Hashable, context: Any, x: np.ndarray, kernel: Kernel | None, out: np.ndarray | None,
                 settle: Callable[[BatchAnswer | BaseException], None]) -> None:
         """Queue X [M, K] (M within a batch: no chunks) without awaiting: `settle` gets its BatchAnswer, or the
         error its batch raised, from the loop turn that finishes it.  No coroutine, task or future per request:
         what an engine process's loop does for every request of a frame."""
-        self._queue((key, spec.name if spec is not None else None), [Chunk(x, context, spec, settle, out)])
+        self._queue((key, kernel.name if kernel is not None else None), [Chunk(x, context, kernel, settle, out)])
 
     def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
         self.queues.setdefault(qkey, deque()).extend(chunks)
@@ -178,8 +178,8 @@ class Scheduler:
                 continue
             taken = [queue.popleft()]
             limit = self.max_rows
-            if taken[0].spec is not None and taken[0].spec.max_m is not None:
-                limit = min(limit, taken[0].spec.max_m)
+            if taken[0].kernel is not None and taken[0].kernel.max_m is not None:
+                limit = min(limit, taken[0].kernel.max_m)
             rows = taken[0].rows.shape[0]
             while self.batching and queue and rows + queue[0].rows.shape[0] <= limit:
                 rows += queue[0].rows.shape[0]
@@ -213,7 +213,7 @@ class Scheduler:
         started = time.perf_counter()
         rows = sum(c.rows.shape[0] for c in batch)
         try:
-            spec, result = await self.run_batch(batch[0].context, batch[0].spec, [c.rows for c in batch], alone,
+            kernel, result = await self.run_batch(batch[0].context, batch[0].kernel, [c.rows for c in batch], alone,
                                                 [c.out for c in batch])
         except Exception as exc:
             for c in batch:
@@ -231,6 +231,6 @@ class Scheduler:
                     c.out[...] = result.output[row:row + m]
                 output = c.out
             x_amax = None if result.x_amax is None else result.x_amax[i]
-            _call(c.settle, BatchAnswer(output, spec, result, len(batch), rows, (started - c.enqueued) * 1e3, x_amax))
+            _call(c.settle, BatchAnswer(output, kernel, result, len(batch), rows, (started - c.enqueued) * 1e3, x_amax))
             row += m
 

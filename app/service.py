@@ -75,7 +75,7 @@ class LocalService:
     async def health(self) -> dict[str, Any]:
         e = self.engine
         return {"backend": e.backend, "device": e.device,
-                "compile_ms": e.cuda.compile_ms if e.cuda is not None else None,
+                "compile_ms": e.compile_ms,
                 "devices": [w.state() for w in e.workers]}
 
     async def kernel_table(self) -> list[dict[str, Any]]:
@@ -90,7 +90,7 @@ class LocalService:
         """`alone` False: this engine is one of a server's several (an engine process per device)."""
         e = self.engine
         backend = e.backend
-        if e.cuda is None and len(e.pools["cpu"]) == 1 and alone:
+        if e.gpu is None and len(e.pools["cpu"]) == 1 and alone:
             raise Conflict(f"this server runs on the CPU backend ({e.cuda_error}); nothing to load", "no_gpu")
         pool = [e.worker_named(backend, d) for d in devices] if devices else None
         if pool is not None and len(set(pool)) != len(pool):
@@ -111,7 +111,7 @@ class LocalService:
         from app.quant_report import time_schemes
 
         e = self.engine
-        if e.cuda is None or info.matmul_reason:  # a vector's errors are reported, not timed
+        if e.gpu is None or info.matmul_reason:  # a vector's errors are reported, not timed
             return e.device, False
         await run_in_threadpool(time_schemes, e, model, info, rows, schemes, ms)
         return e.device, True

@@ -31,7 +31,7 @@ class Worker:
     def name(self) -> str:
         return self.backend.device_name
 
-    def load(self) -> int:
+    def backlog(self) -> int:
         """Work waiting for or running on this device: what routing balances."""
         return self.scheduler.depth() + int(self.scheduler.busy)
 
@@ -46,9 +46,9 @@ class Worker:
     def entries(self) -> list[tuple[Hashable, str, int]]:
         return self.backend.entries()
 
-    def prepare(self, spec: Kernel, w: Weights) -> int:
-        """The weights `spec` reads, uploaded (GPU) or prepared (CPU) ahead of use, on this device's thread."""
-        return self.backend.load(spec, w)
+    def prepare(self, kernel: Kernel, w: Weights) -> int:
+        """The weights `kernel` reads, uploaded (GPU) or prepared (CPU) ahead of use, on this device's thread."""
+        return self.backend.prepare(kernel, w)
 
     def unload(self, match: Callable[[Hashable], bool]) -> int:
         """Free the weights whose (file version, tensor) key matches, after the product in flight."""

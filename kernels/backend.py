@@ -19,6 +19,12 @@ import numpy as np
 from kernels.kernel import Kernel
 from kernels.types import Result, Weights
 
+
+def of_version(version: Hashable) -> Callable[[Hashable], bool]:
+    """An `unload` match: the weights of one file version (their keys are (file version, tensor))."""
+    return lambda key: isinstance(key, tuple) and key[0] == version
+
+
 Outs = list[np.ndarray | None] | None  # per part of a product: the array its rows of Y go into (None: in Result)
 
 
@@ -38,12 +44,22 @@ class Backend(Protocol):
     label: str  # the device, as the API names it: "cuda:0", "cpu:1"
     device_name: str
     cc: int | None  # compute capability (major*10+minor) of a GPU; None on the CPU
+    sm_count: int | None  # a GPU's multiprocessors; None on the CPU
+
+    @property
+    def compile_ms(self) -> float | None:
+        """What making its kernels ready cost at start-up (a GPU's NVRTC compiles); None where nothing compiles."""
+        ...
+
+    def auto(self, type_name: str, m: int, n: int, k: int) -> Kernel | None:
+        """The kernel this device's measurements pick for the shape (kernels/tuning), or None: the registry's rule."""
+        ...
 
     def kernel_reason(self, kernel: Kernel) -> str | None:
         """Why `kernel` cannot run here at all (wrong device, a source that failed to compile), or None."""
         ...
 
-    def load(self, kernel: Kernel, w: Weights) -> int:
+    def prepare(self, kernel: Kernel, w: Weights) -> int:
         """The weights `kernel` reads, made and kept ahead of the first product; their bytes."""
         ...
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kernels import reference
+from kernels.backend import of_version
 from kernels.cache import ByteLRU
 from kernels.formats import QUANT_TYPES, mmq_ds_layout
 from kernels.kernel import Device, Kernel, Layout
@@ -129,6 +130,8 @@ class CpuBackend:
 
     name = "cpu"
     cc: int | None = None
+    sm_count: int | None = None
+    compile_ms: float | None = None  # numpy compiles nothing
     device_name = "CPU (numpy)"
 
     def __init__(self, cache_bytes: int, index: int = 0):
@@ -141,11 +144,14 @@ class CpuBackend:
     def kernel_reason(self, kernel: Kernel) -> str | None:
         return kernel.device_reason(None)
 
+    def auto(self, type_name: str, m: int, n: int, k: int) -> Kernel | None:
+        return None  # no measurements here: the registry's rule picks
+
     # -- weights -----------------------------------------------------------------------------------
     def forget(self, version: Hashable) -> None:
         """Drop a retired file version's prepared weights without waiting (behind the product in flight)."""
         try:
-            self._thread.submit(self._unload, lambda key: key[0] == version)  # type: ignore[index]
+            self._thread.submit(self._unload, of_version(version))
         except RuntimeError:  # shutting down: the thread is gone, and the memory with it
             pass
 
@@ -170,7 +176,7 @@ class CpuBackend:
         """(bytes of prepared weights kept, the budget)."""
         return self.cache.used, self.cache.budget
 
-    def load(self, kernel: Kernel, w: Weights) -> int:
+    def prepare(self, kernel: Kernel, w: Weights) -> int:
         """Prepare (and keep, within the budget) the weights `kernel` reads, ahead of its first product; their
         bytes.  On this backend's thread."""
         return self._thread.submit(lambda: int(getattr(self._weights_for(kernel, w)[0], "nbytes", 0))).result()

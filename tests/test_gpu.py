@@ -638,7 +638,7 @@ def test_an_output_array_outlives_its_request_until_the_device_wrote_it(gpu_clie
     into it is done (else the pool could hand the buffer to a product on another device under that copy), and
     lets it go at a later launch."""
     engine = gpu_client.app.state.engine
-    cuda, name = engine.cuda, "blk.0.ffn_down.weight"
+    cuda, name = engine.gpu, "blk.0.ffn_down.weight"
     model = next(m for m in gpu_client.app.state.store.scan() if m.id == "demo")
     info = model.tensors[name]
     w, spec = weights(model, info), engine.choose("mmq", info, 300)

@@ -289,7 +289,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         if answer.release is not None and binary_out:
             answer.release()
     result = answer.result
-    parameters: dict[str, Any] = {"kernel": answer.spec.name, "backend": result.backend,
+    parameters: dict[str, Any] = {"kernel": answer.kernel.name, "backend": result.backend,
                                   "activation_format": result.activation_format, "devices": ",".join(answer.devices),
                                   "batch_requests": answer.batch["requests"], "batch_rows": answer.batch["rows"],
                                   "queue_ms": round(answer.queue_ms, 4)}

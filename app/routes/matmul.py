@@ -315,7 +315,7 @@ def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, sch
     timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
     timing["queue"] = round(answer.queue_ms, 4)
     batch = answer.batch
-    headers = {"X-Qgemm-Kernel": answer.spec.name, "X-Qgemm-Backend": result.backend,
+    headers = {"X-Qgemm-Kernel": answer.kernel.name, "X-Qgemm-Backend": result.backend,
                "X-Qgemm-Activation-Format": result.activation_format,
                "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
                "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}", "X-Qgemm-Devices": ",".join(answer.devices)}
@@ -330,7 +330,7 @@ def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, sch
         content, media = memoryview(buf), NPY
     else:
         content, media = orjson.dumps({
-            "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.spec.name,
+            "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.kernel.name,
             "weight_format": scheme.tag if scheme else "gguf",
             "activation_format": result.activation_format, "backend": result.backend, "timing_ms": timing,
             "batch": batch, "devices": answer.devices}, option=orjson.OPT_SERIALIZE_NUMPY), JSON

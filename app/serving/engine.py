@@ -122,7 +122,7 @@ class EngineServer:
         self.metrics = Metrics(engine=True)
         self.engine, self.store = open_engine(settings, self.metrics)
         self.service = LocalService(self.engine)
-        self.segments = Segments(pin=settings.pin_arenas and self.engine.cuda is not None)
+        self.segments = Segments(pin=settings.pin_arenas and self.engine.gpu is not None)
         # what a request names (model, file version, tensor, weight format, kernel), resolved once
         self.targets: dict[tuple, tuple[Model, Checked]] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -174,7 +174,7 @@ class EngineServer:
             result = got.result
             timing = {**result.timing_ms, "engine": (time.perf_counter() - started) * 1e3}  # the engine's share
             b = got.batch
-            self._answer(end, contract.Done(request_id, got.spec.name, result.backend, result.activation_format,
+            self._answer(end, contract.Done(request_id, got.kernel.name, result.backend, result.activation_format,
                                             timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
                                             got.devices), r)
 

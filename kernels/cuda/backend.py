@@ -23,9 +23,10 @@ import cupy
 import numpy as np
 
 from kernels import reference
-from kernels.backend import Outs
+from kernels.backend import Outs, of_version
 from kernels.cuda import graphs as product_graphs
 from kernels.cuda.host_memory import copy_in, is_page_locked
+from kernels.cuda.kernels import CudaKernel
 from kernels.cuda.layouts import ACTIVATIONS, ActivationLayout
 from kernels.cuda.modules import SOURCES, Modules
 from kernels.cuda.resident import ResidentWeights, is_oom
@@ -81,7 +82,7 @@ class Staging:
 @dataclass
 class Pending:
     """A product enqueued by `CudaBackend.launch`, waiting for its last event."""
-    spec: Kernel
+    kernel: Kernel
     m: int
     k: int
     y_h: np.ndarray | None  # None: the rows went straight into the callers' output arrays
@@ -92,6 +93,14 @@ class Pending:
     amax_h: np.ndarray | None = None  # max|x| per row, measured on the device, for products of large X
     part_rows: tuple[int, ...] = ()  # rows of each part, to give each its own max|x|
     outs: Outs = None  # where each part's rows go from the staging buffer (small parts: `finish` copies them)
+
+
+def as_cuda(kernel: Kernel) -> CudaKernel:
+    """A kernel this backend launches: the layout seam (its weight and activation layouts, its launch) is
+    CudaKernel's; a CPU kernel asked of a GPU is a caller's bug."""
+    if not isinstance(kernel, CudaKernel):
+        raise TypeError(f"{kernel.name} is not a CUDA kernel")
+    return kernel
 
 
 def cuda_device_count() -> int:
@@ -230,7 +239,7 @@ class CudaBackend:
         reason = kernel.device_reason(self.cc)
         if reason is not None:
             return reason
-        src = kernel.source  # type: ignore[attr-defined]
+        src = as_cuda(kernel).source
         if src in self.modules.errors:
             return f"{src} failed to compile: {self.modules.errors[src]}"
         if src not in self.modules.modules:
@@ -244,15 +253,16 @@ class CudaBackend:
 
     # -- weights ----------------------------------------------------------------------------------
     def _weights(self, spec: Kernel, w: Weights) -> tuple[dict, float]:
-        layout = spec.weights
-        nbytes = layout.nbytes(w.type_name, w.n, w.k)  # type: ignore[attr-defined]
+        layout = as_cuda(spec).weights
+        nbytes = layout.nbytes(w.type_name, w.n, w.k)
         return self.resident.get(w.key, w.layout_key(layout.name), nbytes,
-                                 lambda: layout.make(self.modules, w.type_name, w.raw(), w.n, w.k))  # type: ignore[attr-defined]
+                                 lambda: layout.make(self.modules, w.type_name, w.raw(), w.n, w.k))
 
-    def load(self, spec: Kernel, w: Weights) -> int:
+    def prepare(self, kernel: Kernel, w: Weights) -> int:
+        """The weights `kernel` reads, uploaded in its layout and kept resident; their bytes."""
         def run() -> int:
             with self.stream:
-                arrays, _ = self._weights(spec, w)
+                arrays, _ = self._weights(kernel, w)
             return sum(int(a.nbytes) for a in arrays.values())
         return self._call(run)
 
@@ -267,7 +277,7 @@ class CudaBackend:
         if self._closed.is_set():
             return
         try:
-            self._pool.submit(lambda: self.resident.unload(lambda key: key[0] == version_key))  # type: ignore[index]
+            self._pool.submit(lambda: self.resident.unload(of_version(version_key)))
         except RuntimeError:  # shutting down: the thread is gone, and the memory with it
             pass
 
@@ -321,9 +331,11 @@ class CudaBackend:
         with self._device:  # a no-op on the worker thread; the event loop's thread may be on another device
             return self._launch(spec, w, parts, poison, outs)
 
-    def _launch(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
+    def _launch(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
+        spec = as_cuda(kernel)
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
-        given = outs is not None and len(outs) == len(parts) and all(o is not None for o in outs)
+        filled = [o for o in outs if o is not None] if outs is not None else []  # every part's array, or none
+        given = len(filled) == len(parts)
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
         if (self.graphs is not None and not poison and not direct and m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE
                 and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
@@ -358,12 +370,12 @@ class CudaBackend:
             bufs = layout.buffers(m, k)
             if poison and layout.quantized:
                 layout.poison(bufs)
-            acts = layout.fill(self.modules, x_d, bufs)  # type: ignore[attr-defined]
+            acts = layout.fill(self.modules, x_d, bufs)
             ev[2].record(s)
             y_d = cupy.empty((m, n), dtype=cupy.float32)
             if poison:
                 y_d.fill(cupy.nan)
-            spec.launch(self.modules, w.type_name, arrays, acts, y_d, m, n, k)  # type: ignore[attr-defined]
+            spec.launch(self.modules, w.type_name, arrays, acts, y_d, m, n, k)
             ev[3].record(s)
             finite_h = amax_h = None
             if max(p.shape[0] for p in parts) * k > X_AMAX_ON_DEVICE:
@@ -375,15 +387,15 @@ class CudaBackend:
             if y_h is not None:
                 y_d.get(stream=s, out=y_h, blocking=False)
             else:
-                copy_rows_out(y_d, parts, outs, s)  # type: ignore[arg-type]
+                copy_rows_out(y_d, parts, filled, s)
                 written = cupy.cuda.Event(disable_timing=True)
                 written.record(s)
-                self.writing = [(e, o) for e, o in self.writing if not e.done] + [(written, outs)]  # type: ignore[list-item]
+                self.writing = [(e, o) for e, o in self.writing if not e.done] + [(written, filled)]
             ev[4].record(s)
         return Pending(spec, m, k, y_h, acts, weights_ms, layout, finite_h, amax_h, tuple(p.shape[0] for p in parts),
                        outs if given and not direct else None)
 
-    def _replay(self, spec: Kernel, w: Weights, parts: list[np.ndarray], m: int, k: int, n: int,
+    def _replay(self, spec: CudaKernel, w: Weights, parts: list[np.ndarray], m: int, k: int, n: int,
                 outs: Outs) -> Pending | None:
         """The product from its CUDA graph (captured at its second sight), or None: launch it step by step."""
         graphs = self.graphs
@@ -409,7 +421,7 @@ class CudaBackend:
         return Pending(spec, m, k, replay.y_h, replay.acts, 0.0, spec.activations_for(w.type_name),
                        part_rows=tuple(p.shape[0] for p in parts), outs=outs)
 
-    def _capture(self, key: tuple, spec: Kernel, w: Weights, arrays: dict, m: int, k: int,
+    def _capture(self, key: tuple, spec: CudaKernel, w: Weights, arrays: dict, m: int, k: int,
                  n: int) -> product_graphs.Replay | None:
         """Capture the product of `key` and check one replay (its events must time it); None where it cannot be
         captured (that key then always launches step by step)."""
@@ -418,9 +430,9 @@ class CudaBackend:
         layout = spec.activations_for(w.type_name)
 
         def enqueue(x_d: Any, bufs: Any, y_d: Any) -> Any:
-            acts = layout.fill(mods, x_d, bufs)  # type: ignore[attr-defined]
+            acts = layout.fill(mods, x_d, bufs)
             product_graphs.record_in_graph(ev[2], self.capture_stream)
-            spec.launch(mods, w.type_name, arrays, acts, y_d, m, n, k)  # type: ignore[attr-defined]
+            spec.launch(mods, w.type_name, arrays, acts, y_d, m, n, k)
             return acts
 
         dependent = mods.dependent_launch
@@ -456,9 +468,10 @@ class CudaBackend:
                 q8_1 = pending.layout.to_host(pending.acts, pending.m, pending.k)
         y = None
         if pending.outs is not None:  # each part's rows into its caller's array
+            assert pending.y_h is not None, "a product with its outputs in staging"
             row = 0
             for rows, out in zip(pending.part_rows, pending.outs, strict=True):
-                out[...] = pending.y_h[row:row + rows]  # type: ignore[index]
+                out[...] = pending.y_h[row:row + rows]
                 row += rows
         elif pending.y_h is not None:
             y = pending.y_h.copy()  # the staging buffer is the next product's
@@ -473,7 +486,7 @@ class CudaBackend:
         if pending.amax_h is not None:
             ends = np.cumsum(pending.part_rows)
             x_amax = [float(pending.amax_h[e - rows:e].max()) for rows, e in zip(pending.part_rows, ends, strict=True)]
-        return Result(y, self.name, pending.spec.activation_format, timing, q8_1, finite, x_amax)
+        return Result(y, self.name, pending.kernel.activation_format, timing, q8_1, finite, x_amax)
 
     def quantize(self, x: np.ndarray, layout: str = "blocks") -> reference.Q8_1:
         """The device's Q8_1 of x in an activation layout ("blocks", "split", "mmq_d4", "mmq_ds4", ...; for tests)."""
