@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qsl
 
 import numpy as np
 import orjson
@@ -200,7 +201,20 @@ async def matmul(request: Request) -> Response:
     `operation()`: FastAPI's per-request parameter and dependency solving cost more than the product itself at
     M = 1 (profiled: docs/serving.md), so the query parameters are read here, as strings."""
     check_api_key(request)
-    q = request.query_params
+    model, tensor, kernel, requant = _query(request.scope["query_string"])
+    return await handle(request, model, tensor, kernel, requant)
+
+
+Query = tuple[str | None, str | None, str, tuple[str, int, bool] | None]  # model, tensor, kernel, requantization
+QUERIES_READ: dict[bytes, Query] = {}  # a client sends the same query string again and again: parsed once
+
+
+def _query(raw: bytes) -> Query:
+    """The query parameters `matmul` reads, as Starlette reads them (the last of a repeated name wins)."""
+    hit = QUERIES_READ.get(raw)
+    if hit is not None:
+        return hit
+    q = dict(parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
     requant = None
     if "weight_format" in q or "blocksize" in q or "double_quant" in q:
         try:
@@ -209,7 +223,11 @@ async def matmul(request: Request) -> Response:
         except (ValueError, KeyError):
             raise ApiError(422, "bad_weight_format", "blocksize must be an integer and double_quant true or "
                                                      "false") from None
-    return await handle(request, q.get("model"), q.get("tensor"), q.get("kernel", "auto"), requant)
+    parsed = q.get("model"), q.get("tensor"), q.get("kernel", "auto"), requant
+    if len(QUERIES_READ) >= 4096:
+        QUERIES_READ.clear()
+    QUERIES_READ[raw] = parsed
+    return parsed
 
 
 async def handle(request: Request, model: str | None, tensor: str | None, kernel: str,
@@ -312,34 +330,50 @@ async def _within_deadline(product: Awaitable[Answer], seconds: float) -> Answer
 def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, scheme: Scheme | None,
              t_request: float) -> Response:
     result, y = answer.result, answer.output
-    timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
-    timing["queue"] = round(answer.queue_ms, 4)
     batch = answer.batch
-    headers = {"X-Qgemm-Kernel": answer.kernel.name, "X-Qgemm-Backend": result.backend,
-               "X-Qgemm-Activation-Format": result.activation_format,
-               "X-Qgemm-Shape": f"{y.shape[0]},{y.shape[1]}",
-               "X-Qgemm-Batch": f"{batch['requests']},{batch['rows']}", "X-Qgemm-Devices": ",".join(answer.devices)}
+    kernel = answer.kernel.name
+    headers = [(b"x-qgemm-kernel", kernel.encode()), (b"x-qgemm-backend", result.backend.encode()),
+               (b"x-qgemm-activation-format", result.activation_format.encode()),
+               (b"x-qgemm-shape", b"%d,%d" % y.shape),
+               (b"x-qgemm-batch", b"%d,%d" % (batch["requests"], batch["rows"])),
+               (b"x-qgemm-devices", ",".join(answer.devices).encode())]
     npy_out = NPY in (request.headers.get("accept") or "").lower()
     if npy_out and y.nbytes >= IN_PLACE_BYTES:
-        content, media = None, NPY
+        content = None
     elif npy_out:
         header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
         buf = bytearray(len(header) + y.size * 4)  # header and data written once, sent as they are
         buf[:len(header)] = header
         np.frombuffer(buf, np.float32, y.size, len(header)).reshape(y.shape)[...] = y
-        content, media = memoryview(buf), NPY
+        content, media = memoryview(buf), NPY_BYTES
     else:
+        timing = {k: round(float(v), 4) for k, v in result.timing_ms.items()}
+        timing["queue"] = round(answer.queue_ms, 4)
         content, media = orjson.dumps({
-            "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": answer.kernel.name,
+            "output": y, "shape": list(y.shape), "model": mdl.id, "tensor": info.name, "kernel": kernel,
             "weight_format": scheme.tag if scheme else "gguf",
             "activation_format": result.activation_format, "backend": result.backend, "timing_ms": timing,
-            "batch": batch, "devices": answer.devices}, option=orjson.OPT_SERIALIZE_NUMPY), JSON
-    timing["request"] = round((time.perf_counter() - t_request) * 1e3, 4)
-    headers["Server-Timing"] = (server_timing(timing)
-                                + f', batch;desc="{batch["requests"]} requests, {batch["rows"]} rows"')
+            "batch": batch, "devices": answer.devices}, option=orjson.OPT_SERIALIZE_NUMPY), JSON_BYTES
+    request_ms = (time.perf_counter() - t_request) * 1e3
+    headers.append((b"server-timing", (f"{server_timing(result.timing_ms)}, queue;dur={answer.queue_ms:.3f}, "
+                                       f"request;dur={request_ms:.3f}, batch;desc=\"{batch['requests']} requests, "
+                                       f"{batch['rows']} rows\"").encode()))
     if content is None:  # sent from the output's own memory: released once sent
         return NpyInPlace(y, headers, answer.release)
-    return Response(content, media_type=media, headers=headers)
+    headers += [(b"content-length", b"%d" % len(content)), (b"content-type", media)]
+    return Prepared(content, headers)
+
+
+NPY_BYTES, JSON_BYTES = NPY.encode(), JSON.encode()
+
+
+class Prepared(Response):
+    """An answer whose headers are made as bytes by its route (Starlette's Response encodes a dict of them again
+    for every answer: the product route's dozen headers cost a front microseconds a request)."""
+
+    def __init__(self, content: bytes | memoryview, raw_headers: list[tuple[bytes, bytes]], status: int = 200):
+        self.status_code, self.body, self.background = status, content, None
+        self.raw_headers = raw_headers
 
 
 class NpyInPlace(Response):
@@ -351,13 +385,15 @@ class NpyInPlace(Response):
 
     media_type = NPY
 
-    def __init__(self, y: np.ndarray, headers: dict[str, str], release: Callable[[], None] | None = None):
+    def __init__(self, y: np.ndarray, headers: list[tuple[bytes, bytes]], release: Callable[[], None] | None = None):
         self.header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)
         owner = np.ascontiguousarray(y, np.float32).view()  # this answer's own view: its end is the buffer's end
         if release is not None:
             weakref.finalize(owner, release)
         self.data: memoryview | None = memoryview(owner).cast("B")
-        super().__init__(None, headers={**headers, "Content-Length": str(len(self.header) + self.data.nbytes)})
+        self.status_code, self.background = 200, None
+        self.raw_headers = [*headers, (b"content-length", b"%d" % (len(self.header) + self.data.nbytes)),
+                            (b"content-type", NPY_BYTES)]
 
     async def __call__(self, scope: dict, receive: object, send: object) -> None:
         data, self.data = self.data, None  # the transport's queue holds the only reference once sent

@@ -133,7 +133,10 @@ class Channel:
         for answer in answers:
             future = pending.pop(answer.id, None)
             if future is not None and not future.done():
-                future.set_result(answer)
+                if type(answer) is Failed:
+                    future.set_exception(contract.error_of(answer))
+                else:
+                    future.set_result(answer)
 
     def _lost(self, end: Framed) -> None:
         if self._end is end:
@@ -145,24 +148,36 @@ class Channel:
 
     async def call(self, request: Request, timeout: float | None = None) -> Answer:
         """The answer to `request`; a Failed answer is raised as its error (contract.error_of)."""
-        end = self._end if self.connected else await self._connect()
+        if not self.connected:
+            await self._connect()
+        future = self.send(request)
+        try:
+            return await (asyncio.wait_for(future, timeout) if timeout else future)
+        except TimeoutError:
+            raise EngineUnavailable(f"the engine did not answer within {timeout} s") from None
+        finally:
+            self._pending.pop(request.id, None)
+
+    def send(self, request: Request) -> asyncio.Future:
+        """Send `request` on the connected channel and return the future of its answer (a Failed answer is set as
+        the error it names): no coroutine or task of its own, which a product's path would pay for."""
+        end = self._end
+        if end is None or not end.open:
+            raise EngineUnavailable(f"the engine at {self.path} is not connected")
         request.id = request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            end.send(request)  # type: ignore[union-attr]
+            end.send(request)
         except (ConnectionError, OSError) as exc:
             self._pending.pop(request_id, None)
             raise EngineUnavailable(f"the engine connection broke: {exc}") from None
-        try:
-            answer = await (asyncio.wait_for(future, timeout) if timeout else future)
-        except TimeoutError:
-            raise EngineUnavailable(f"the engine did not answer within {timeout} s") from None
-        finally:
-            self._pending.pop(request_id, None)
-        if type(answer) is Failed:
-            raise contract.error_of(answer)
-        return answer
+        return future
+
+    async def connect(self) -> None:
+        """Connect now where the channel is not (a call connects by itself)."""
+        if not self.connected:
+            await self._connect()
 
     async def close(self) -> None:
         if self._end is not None and self._end.transport is not None:

@@ -186,14 +186,26 @@ class RemoteService:
                                   scheme_fields(checked.scheme), slot.segment,
                                   slot.offset if body is None else body[1], slot.y_offset, m, k, n,
                                   slot.own is not None, amax)
-        call = asyncio.ensure_future(self._call(request, self._engine_for(checked.info.name)))
-        if body is not None:  # the engine reads X until it answers, whatever the answer
-            call.add_done_callback(lambda _, offset=body[0]: self._let_go_body(offset))
+        channel = self._engine_for(checked.info.name)
         try:
-            done = await asyncio.shield(call)
+            if not channel.connected:
+                await channel.connect()
+            answer = channel.send(request)  # a future: no task of its own
+        except EngineUnavailable as exc:
+            self.arena.release(slot)
+            if body is not None:
+                self._let_go_body(body[0])
+            raise ApiError(503, "engine_unavailable", f"{exc}; retry after the Retry-After seconds", RETRY) from None
+        if body is not None:  # the engine reads X until it answers, whatever the answer
+            answer.add_done_callback(lambda _, offset=body[0]: self._let_go_body(offset))
+        try:
+            done = await asyncio.shield(answer)
         except asyncio.CancelledError:  # the client went: the engine may still write Y; the slot waits for it
-            call.add_done_callback(lambda _: self.arena.release(slot))  # type: ignore[union-attr]
+            answer.add_done_callback(self._release_after(slot))
             raise
+        except EngineUnavailable as exc:
+            self.arena.release(slot)
+            raise ApiError(503, "engine_unavailable", f"{exc}; retry after the Retry-After seconds", RETRY) from None
         except BaseException:
             self.arena.release(slot)
             raise
@@ -203,6 +215,15 @@ class RemoteService:
         batch = {"requests": requests, "rows": rows, **({"chunks": chunks} if chunks > 1 else {})}
         return Answer(slot.y(), KERNELS[done.kernel], result, batch, done.queue_ms, done.devices,
                       release=lambda: self.arena.release(slot))  # type: ignore[union-attr]
+
+    def _release_after(self, slot: arenas.Slot) -> Callable[[asyncio.Future], None]:
+        """The slot's release once the engine answered a request whose client went (its error is not news)."""
+        def release(answer: asyncio.Future) -> None:
+            if not answer.cancelled():
+                answer.exception()  # retrieved: nobody else awaits it
+            assert self.arena is not None
+            self.arena.release(slot)
+        return release
 
     async def _engines_of(self, devices: list[int] | None) -> list[Channel]:
         """The engines serving `devices` (device numbers as the API names them), or all of them."""
