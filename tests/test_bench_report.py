@@ -119,3 +119,52 @@ def test_bench_refuses_a_llama_cpp_file_it_cannot_read_before_any_gpu_work(tmp_p
     assert main(["bench", "--llama-cpp", str(tmp_path / "perf.txt")]) == 2
     assert "no MUL_MAT lines" in capsys.readouterr().out
     assert main(["bench", "--llama-cpp", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_model_bench_sums_a_files_matmuls_from_times_measured_on_a_cut(tmp_path, capsys) -> None:
+    """`qgemm bench --model FILE --times JSON`: each tensor gets its shape's time, summed for the file, its blocks
+    and the rest; llama.cpp's times join by (type, N, K, M); a shape without a time is refused, not left out."""
+    import argparse
+    import json
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from models.demo import write_gguf
+    from tools.bench import add_arguments, main
+
+    rng = np.random.default_rng()  # the values do not matter here: the times are given
+    w = lambda n, k: rng.standard_normal((n, k)).astype(np.float32)  # noqa: E731
+    path = write_gguf(tmp_path / "m.gguf", [("blk.0.q.weight", Q.Q8_0, w(96, 64)),
+                                            ("blk.1.q.weight", Q.Q8_0, w(96, 64)),
+                                            ("blk.0.norm.weight", Q.F32, w(1, 64)[0]),
+                                            ("output.weight", Q.Q4_0, w(160, 64))],
+                      uints={"qgemm-demo.block_count": 2})
+    row = {"kernel": "k", "weight_bytes": 1, "bound": "launch", "timing": "graph", "bw_share": 0.5}
+    rows = [{**row, "type": "Q8_0", "N": 96, "K": 64, "M": m, "hbm_us": 3.0 * m, "same_us": 2.0 * m,
+             "floor_us": 1.5 * m} for m in (1, 8)]
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"device": "GPU", "copy_bandwidth_gbps": 1000.0, "date": "d", "rows": rows}))
+    perf = tmp_path / "perf.txt"
+    perf.write_text("  MUL_MAT(type_a=q8_0,type_b=f32,m=96,n=1,k=64,bs=[1,1],nr=[1,1],per=[0,1,2,3],"
+                    "v=0,o=1): 1000 runs - 4.00 us/run - ...\n")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", str(path), "--times", str(times), "--llama-cpp", str(perf),
+                         "--out", str(tmp_path / "out")])
+    assert main(args) == 2  # output.weight's shape has no time
+    assert "no time for Q4_0 [160, 64]" in capsys.readouterr().out
+    rows += [{**row, "type": "Q4_0", "N": 160, "K": 64, "M": m, "hbm_us": 10.0, "same_us": 9.0, "floor_us": 5.0}
+             for m in (1, 8)]
+    times.write_text(json.dumps({"device": "GPU", "copy_bandwidth_gbps": 1000.0, "date": "d", "rows": rows}))
+    assert main(args) == 0
+    doc = json.loads((tmp_path / "out" / "model-bench.json").read_text())
+    one = doc["totals"]["1"]
+    assert one["file"]["hbm_us"] == 2 * 3.0 + 10.0 and one["blocks"]["same_us"] == 2 * 2.0
+    assert one["per_block"]["hbm_us"] == 3.0 and one["outside"]["hbm_us"] == 10.0
+    assert one["blocks"]["llama_cpp_us"] == 8.0 and one["file"]["llama_cpp_us"] is None  # Q4_0 has none
+    assert doc["totals"]["8"]["blocks"]["llama_cpp_us"] is None
+    q8 = next(r for r in doc["rows"] if r["type"] == "Q8_0" and r["M"] == 1)
+    assert q8["tensors"] == 2 and q8["ratio"] == 0.5
+    assert doc["blocks_in_file"] == 2 and doc["block_count"] == 2
+    assert "| 1 | 16.0 µs |" in (tmp_path / "out" / "model-bench.md").read_text()

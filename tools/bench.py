@@ -30,14 +30,25 @@ CUBLAS_F16_US = {
 }
 
 
+DEFAULT_M = "1,8,32,128,512,2048"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--types", default="Q4_0,Q8_0")
     p.add_argument("--k", default="4096,14336")
-    p.add_argument("--m", default="1,8,32,128,512,2048")
+    p.add_argument("--m", default=None, help=f"rows of X, comma-separated (default {DEFAULT_M}; with --model 1,8,512)")
     p.add_argument("--kernels", default="", help="comma-separated (default: every available CUDA kernel)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png")
+    p.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md, bench.png (model-bench.json "
+                                                      "and model-bench.md with --model)")
+    p.add_argument("--model", default=None, metavar="FILE",
+                   help="time every matmul tensor of this GGUF file with auto's kernels instead "
+                        "(tools/model_bench.py): per tensor, per block and for the model; --llama-cpp then takes "
+                        "`qgemm ggml perf --model FILE`'s output")
+    p.add_argument("--times", default=None, metavar="JSON",
+                   help="with --model: summarise from a model-bench.json measured before (on the file or a cut of it "
+                        "holding its shapes) instead of timing; no GPU needed")
     p.add_argument("--tune", action="store_true", help="also write the auto table (kernels/tuning/table.json)")
     p.add_argument("--llama-cpp", default=None, metavar="FILE",
                    help="llama.cpp's times for the llama.cpp column: test-backend-ops perf -o MUL_MAT output of the "
@@ -181,7 +192,7 @@ def run(args: argparse.Namespace, llama: dict[tuple[str, int, int], float]) -> d
     mods = backend.modules
     names = [n for n in (args.kernels.split(",") if args.kernels else KERNELS) if KERNELS[n].backend == "cuda"]
     names = [n for n in names if backend.kernel_reason(KERNELS[n]) is None]
-    ms_list = [int(x) for x in args.m.split(",")]
+    ms_list = [int(x) for x in (args.m or DEFAULT_M).split(",")]
     rows: list[dict[str, Any]] = []
 
     def work() -> dict[str, Any]:
@@ -376,6 +387,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.model:
+        from tools.model_bench import main as model_main
+
+        return model_main(args)
     try:  # a bad file is said before any GPU work
         llama = load_llama_cpp(args.llama_cpp) if args.llama_cpp else {}
     except (OSError, ValueError) as exc:

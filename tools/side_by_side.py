@@ -34,6 +34,12 @@ def parse_perf(text: str) -> dict[Key, float]:
     return out
 
 
+def parse_perf_shapes(text: str) -> dict[tuple[str, int, int, int], float]:
+    """ggml's µs per MUL_MAT op by (type, N, K, M), from test-backend-ops perf's console output (any N: a model's
+    shapes, `qgemm ggml perf --model`)."""
+    return {(type_a.upper(), int(n), int(k), int(m)): float(us) for type_a, n, m, k, us in PERF_LINE.findall(text)}
+
+
 def load_llama_cpp(path: str | Path) -> dict[Key, float]:
     """llama.cpp's times from `qgemm ggml perf`'s output, or from a side-by-side.json written by this module."""
     text = Path(path).read_text()
