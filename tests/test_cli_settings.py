@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.Monk
     assert kind0 == "uvicorn" and kw0["port"] == 8123 and kw0["loop"] == "uvloop"
     assert issubclass(kw0["http"], HttpToolsProtocol)
     assert 1 <= supervisor.default_fronts() <= 8
+    cores = os.cpu_count() or 2
+    assert supervisor.default_fronts(2) == max(1, min(16, cores // 2))  # 8 more for each more engine, within the cores
     monkeypatch.setenv("QGEMM_FRONTS", "-1")
     with pytest.raises(ValueError):
         Settings.from_env()

@@ -72,10 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.serving.supervisor import default_fronts
+    from app.serving.supervisor import default_fronts, engine_envs
     from app.settings import Settings
 
-    fronts = args.fronts or Settings.from_env().fronts or default_fronts()
+    settings = Settings.from_env()
+    fronts = args.fronts or settings.fronts or default_fronts(len(engine_envs(settings)))
     os.environ[N_ENV], os.environ[K_ENV], os.environ[WORKERS_ENV] = str(args.n), str(args.k), str(max(1, fronts))
     uvicorn.run("tools.ceiling:make_app", factory=True, host=args.host, port=args.port, workers=max(1, fronts),
                 loop="uvloop", http="httptools", log_level="warning", access_log=False)
