@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(tools/model_bench.py): per tensor, per block and for the model; --llama-cpp then takes "
                         "`qgemm ggml perf --model FILE`'s output")
     p.add_argument("--times", default=None, metavar="JSON",
-                   help="with --model: summarise from a model-bench.json measured before (on the file or a cut of it "
-                        "holding its shapes) instead of timing; no GPU needed")
+                   help="with --model: summarise from model-bench.json files measured before in one session "
+                        "(comma-separated: on the file, or on cuts of it that hold its shapes) instead of timing; "
+                        "no GPU needed")
     p.add_argument("--tune", action="store_true", help="also write the auto table (kernels/tuning/table.json)")
     p.add_argument("--llama-cpp", default=None, metavar="FILE",
                    help="llama.cpp's times for the llama.cpp column: test-backend-ops perf -o MUL_MAT output of the "

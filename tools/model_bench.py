@@ -166,6 +166,15 @@ def summarise(model: Any, shapes: dict[Shape, list[str]], result: dict[str, Any]
             "method": __doc__.split("\n\n")[1].replace("\n", " "), "totals": totals}
 
 
+def merged_times(paths: list[str]) -> dict[str, Any]:
+    """The rows of several model-bench.json files of one machine session (cuts of one file measured apart)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {(d["device"], d.get("date", "")[:10]) for d in docs}
+    if len(devices) > 1:
+        raise ValueError(f"the times come from different devices or days ({sorted(devices)}): they do not compare")
+    return {**docs[0], "rows": [r for d in docs for r in d["rows"]]}
+
+
 def _us(v: float | None) -> str:
     return f"{v:,.1f}" if v is not None else "–"
 
@@ -217,9 +226,9 @@ def main(args: argparse.Namespace) -> int:
     if not shapes:
         print(f"qgemm bench: {path} holds no tensor a matmul can take")
         return 2
-    if args.times:  # times measured before (on this file, or on a cut of it): summarised here, no GPU needed
+    if args.times:  # times measured before (on this file, or on cuts of it): summarised here, no GPU needed
         try:
-            doc = summarise(model, shapes, json.loads(Path(args.times).read_text()), llama)
+            doc = summarise(model, shapes, merged_times(args.times.split(",")), llama)
         except (OSError, ValueError, KeyError) as exc:
             print(f"qgemm bench: --times: {exc}")
             return 2
