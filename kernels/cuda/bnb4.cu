@@ -224,7 +224,7 @@ __device__ void dequantize_bnb4(const unsigned* __restrict__ W, const float* __r
         gemv_bnb4<QT, DQ, MR>(BNB4_PASS, X, Y, M, N, K);                                                      \
     }
 // 4 rows a group: on the H100 (N = 4096, NF4) 19.5 us at K = 14336 where 2 rows (two blocks an SM) took 21.3
-// and 8 rows 21.7 (docs/reports/formats-bnb4.md)
+// and 8 rows 21.7 (`git show 13e6adb:docs/reports/formats-bnb4.md`)
 #define BNB4_STREAM_ROWS 4
 #define BNB4_STREAM(name, QT, DQ, R)                                                                          \
     extern "C" __global__ void __launch_bounds__(512)                                                         \

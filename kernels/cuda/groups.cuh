@@ -86,7 +86,7 @@ __device__ __forceinline__ void scale_min_k4(const u8* q, int j, int& sc, int& m
 // once (every masked byte is a multiple of 2^shift, so the shift is exact).  T::load reads super-block s + i's
 // fields into T::Raw (LOOKAHEAD of them in flight); T::dot gives MMVQ's (sc_lo sumi_lo + sc_hi sumi_hi + min terms)
 // from them: the integer sums and float operations of decode() and gemv_groups, so the same products bit for bit,
-// in fewer instructions (docs/reports/kernels-at-the-limit.md, eighth session).  Q4_K and Q6_K measured slower this
+// in fewer instructions (`git show 13e6adb:docs/reports/kernels-at-the-limit.md`, eighth session).  Q4_K and Q6_K measured slower this
 // way at K = 4096 (their raw fields take more registers than decode()'s words), so they keep gemv_groups.
 // Super-block s + i of a plane of B bytes a super-block: one wide multiply-add a plane, i an immediate offset.
 template <int B>

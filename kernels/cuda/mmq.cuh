@@ -27,7 +27,7 @@
 //   * acc' = fma(t, d_w, acc') is the output times 2^-38, scaled back at the store.
 // llama.cpp computes fma(sumi * d_w, d_a, acc) instead: the same terms, rounded in another order.
 // (Before llama.cpp's MMQ formula, Q4_0 kept unsigned weights and a sum term, run as an fp16 MMA;
-// docs/reports/parity-llama-cpp.md says why the formula changed.)
+// `git show 13e6adb:docs/reports/parity-llama-cpp.md` says why the formula changed.)
 #define MMQ_BM 64
 #define MMQ_BN 128
 #define MMQ_BKB 4

@@ -13,7 +13,7 @@
 // each quant block takes two wgmmas into one accumulator set: the first (scale-d 0) multiplies two constant
 // tiles of -128s, 32 * 128 * 128 = 2^19 in every lane, the second adds the block's product; then mmq's
 // two-FFMA epilogue, so its outputs equal mmq's bit for bit.  Measured on the H100 5-10% slower than mmq
-// (docs/reports/kernel-design.md): the bias doubles the tensor-core work.
+// (`git show 13e6adb:docs/reports/kernel-design.md`): the bias doubles the tensor-core work.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Canonical K-major, no swizzle: LBO = 128 bytes (next 16 bytes of K); SBO = the next 8 rows (1024 bytes in

@@ -36,7 +36,7 @@ __device__ __forceinline__ int pack4(const int* q) {
 
 // llama.cpp's MMQ activations (quantize_mmq_q8_1): d_inv = 127/amax, q = roundf(x*d_inv), d = 1/d_inv, in
 // IEEE fp32 (llama.cpp builds with -use_fast_math, whose approximate divisions differ in the last bit for
-// some amax: docs/reports/parity-llama-cpp.md measures how rarely that moves a q).  The int8 conversion saturates and takes
+// some amax: `git show 13e6adb:docs/reports/parity-llama-cpp.md` measures how rarely that moves a q).  The int8 conversion saturates and takes
 // NaN to 0 (PTX's cvt), which only matters where d_inv overflows (amax < 127/FLT_MAX): there d = 0.
 template <int N>
 __device__ __forceinline__ float mmq_quants(const float (&x)[N], float amax, int (&q)[N]) {
