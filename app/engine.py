@@ -43,6 +43,7 @@ from models.store import Model, TensorInfo
 # (Engine._poll): no thread round trip, no GIL handed between two threads.  Larger ones run on the device's thread.
 LOOP_ROWS = 64
 POLL_SPIN_S, POLL_SLEEP_S = 0.002, 0.0001  # poll a product's completion every loop turn for 2 ms, then every 0.1 ms
+JOBS_KEPT = 4096  # checked requests whose queue key and Job are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Engine:
             for kind, backends in (("cpu", self.devices.cpu), ("cuda", self.devices.cuda))}
         self.placements = {"cpu": Placements(), "cuda": Placements()}
         self._tasks: set[asyncio.Task] = set()  # products of the general path in flight
+        # a checked request's queue key, Job and auto's kernel by M (an engine process keeps one Checked per
+        # target): made once, not for every request
+        self._jobs: dict[int, tuple[Checked, tuple, Job, dict[int, Kernel]]] = {}
         self.outputs: Any = None  # pinned host arrays for large GPU outputs (kernels/cuda/host_memory.py)
         if self.devices.cuda:
             from kernels.cuda.host_memory import PinnedOutputs
@@ -200,7 +204,17 @@ class Engine:
         if (x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous
                 or m > self.settings.batch_max_rows):
             return False
-        chosen = c.kernel or self.choose("auto", c.eff, m)
+        hit = self._jobs.get(id(c))
+        if hit is None or hit[0] is not c or hit[2].model is not model:
+            hit = (c, (model.version_key, c.info.name, c.scheme.tag if c.scheme else ""),
+                   Job(model, c.info, c.scheme, c.eff, None), {})
+            if len(self._jobs) >= JOBS_KEPT:
+                self._jobs.clear()
+            self._jobs[id(c)] = hit
+        _, key, job, picks = hit
+        chosen = c.kernel or picks.get(m)
+        if chosen is None:
+            chosen = picks[m] = self.choose("auto", c.eff, m)
         pool = self.pools[chosen.backend]
         if len(pool) != 1:
             return False
@@ -212,8 +226,7 @@ class Engine:
         self._admit([worker])
         if out is None and chosen.backend == "cuda" and self.outputs:
             out = self.outputs.array((m, c.eff.shape[0]))
-        key = (model.version_key, c.info.name, c.scheme.tag if c.scheme else "")
-        job = Job(model, c.info, c.scheme, c.eff, None)
+        devices = worker.labels
 
         def settle(got: BatchAnswer | BaseException) -> None:
             if isinstance(got, BaseException):
@@ -226,7 +239,7 @@ class Engine:
                     done(exc)
                     return
             done(Answer(got.output, got.kernel, got.result, {"requests": got.requests, "rows": got.rows},
-                        got.queue_ms, [worker.label], got.x_amax))
+                        got.queue_ms, devices, got.x_amax))
 
         worker.scheduler.enqueue(key, job, x, c.kernel, out, settle)
         return True
@@ -392,6 +405,7 @@ class Engine:
         weights, each on the thread of the device that fills them, so that no fill in flight outlives the drop."""
         for table in self.placements.values():
             table.drop(model.version_key)
+        self._jobs.clear()  # they hold the model
         for w in self.workers:
             w.forget(model.version_key)
 

@@ -49,7 +49,7 @@ class BatchAnswer:
     x_amax: float | None = None  # max|x| of its rows, as the device measured it (None: not measured)
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """A request's rows, or a block of them, waiting for the device."""
 
@@ -162,7 +162,10 @@ class Scheduler:
         self._queue((key, kernel.name if kernel is not None else None), [Chunk(x, context, kernel, settle, out)])
 
     def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
-        self.queues.setdefault(qkey, deque()).extend(chunks)
+        queue = self.queues.get(qkey)
+        if queue is None:
+            queue = self.queues[qkey] = deque()
+        queue.extend(chunks)
         self.waiting += len(chunks)
         if not self.busy:
             self.busy = True

@@ -22,6 +22,7 @@ class Worker:
         bound: RunBatch = partial(run_batch, self)
         self.scheduler = Scheduler(bound, max_rows, wait_us)
         self.products = 0  # products (batches) this device ran
+        self.labels = [backend.label]  # an answer's devices when it ran here alone (shared: read, never changed)
 
     @property
     def label(self) -> str:
