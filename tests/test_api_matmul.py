@@ -100,6 +100,29 @@ def test_npy_products_are_correct(client: TestClient, oracle: Oracle, rng: np.ra
     assert r.headers["x-qgemm-kernel"] == "ref_q8_1" and "total;dur=" in r.headers["server-timing"]
 
 
+def test_a_long_query_string_answers_and_is_not_kept(client: TestClient, rng: np.random.Generator) -> None:
+    """The route keeps what it parsed of a query string (and of a .npy header) only for short ones: distinct long
+    ones from a hostile client would otherwise hold 4,096 times their length.  The answer is the same either way."""
+    from app.routes import matmul
+
+    x = rng.standard_normal((1, 4096)).astype(np.float32)
+    short = "model=demo&tensor=blk.0.attn_q.weight"
+    long = f"{short}&pad={'x' * (2 * matmul.KEPT_BYTES)}"
+    answers = [client.post(f"/v1/matmul?{q}", content=npy(x), headers={"Content-Type": "application/x-npy",
+                                                                        "Accept": "application/x-npy"})
+               for q in (short, long)]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert answers[0].content == answers[1].content
+    assert matmul._query(long.encode()) == matmul._query(short.encode())
+    assert long.encode() not in matmul.QUERIES_READ and short.encode() in matmul.QUERIES_READ
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, np.lib.format.header_data_from_array_1_0(x))
+    raw = header.getvalue()
+    spaced = raw[:-1] + b" " * (2 * matmul.KEPT_BYTES) + b"\n"  # the header padded with spaces, as the format allows
+    spaced = spaced[:8] + (len(spaced) - 12).to_bytes(4, "little") + spaced[12:]
+    assert matmul.parse_npy(spaced + x.tobytes()).shape == (1, 4096) and spaced not in matmul.NPY_HEADERS_READ
+
+
 @pytest.mark.parametrize(("m", "formula"), [(1, "f16_mmvf"), (16, "f16"), (17, "f16_h")])
 def test_f16_answers_name_ggml_s_formula_by_rows(client: TestClient, oracle: Oracle, rng: np.random.Generator,
                                                  m: int, formula: str) -> None:

@@ -79,6 +79,7 @@ def rows_to_array(rows: list[list[float]]) -> np.ndarray:
     return np.array(rows, dtype=np.float64)
 
 
+KEPT_BYTES = 1024  # the parse caches below keep only keys this short: 4,096 of them stay within 4 MiB
 NPY_HEADERS_READ: dict[bytes, tuple[tuple[int, ...], bool, np.dtype, int]] = {}
 
 
@@ -99,7 +100,7 @@ def _npy_header_of(body: bytes | memoryview) -> tuple[tuple[int, ...], bool, np.
     except Exception as exc:  # truncated or garbage headers raise several kinds
         raise ApiError(400, "bad_npy", f"body is not a readable .npy array: {type(exc).__name__}: {exc}") from None
     parsed = (shape, fortran, dtype, f.tell())
-    if f.tell() == size and len(NPY_HEADERS_READ) < 4096:
+    if f.tell() == size and size <= KEPT_BYTES and len(NPY_HEADERS_READ) < 4096:
         NPY_HEADERS_READ[raw] = parsed
     return parsed
 
@@ -224,9 +225,10 @@ def _query(raw: bytes) -> Query:
             raise ApiError(422, "bad_weight_format", "blocksize must be an integer and double_quant true or "
                                                      "false") from None
     parsed = q.get("model"), q.get("tensor"), q.get("kernel", "auto"), requant
-    if len(QUERIES_READ) >= 4096:
-        QUERIES_READ.clear()
-    QUERIES_READ[raw] = parsed
+    if len(raw) <= KEPT_BYTES:  # a long query string is parsed every time: kept ones stay small
+        if len(QUERIES_READ) >= 4096:
+            QUERIES_READ.clear()
+        QUERIES_READ[raw] = parsed
     return parsed
 
 
