@@ -43,6 +43,15 @@ def check_request(chooser: KernelChooser, info: TensorInfo, scheme: Scheme | Non
     return Checked(info, scheme, eff, spec)
 
 
+def check_splittable(info: TensorInfo, scheme: Scheme | None) -> None:
+    """A tensor that can be split by rows across devices in this weight format (a bitsandbytes scheme's blocks may
+    straddle rows)."""
+    if scheme is not None:
+        reason = scheme.split_reason(info.shape[1])
+        if reason:
+            raise InvalidRequest(f"{info.name} in {scheme.tag} cannot be split by rows: {reason}", "cannot_split")
+
+
 def check_shape(shape: tuple[int, ...], info: TensorInfo, max_rows: int) -> None:
     if len(shape) != 2:
         raise InvalidRequest(f"activations must be a 2-D [M, K] array; got {len(shape)}-D {list(shape)}", "bad_shape")
@@ -83,9 +92,11 @@ def check_values(info: TensorInfo, x: np.ndarray, x32: np.ndarray, auto: bool, s
             raise InvalidRequest(f"activations out of range for {spec.name}: {overflow}", "activation_out_of_range")
 
 
-def check_output(y: np.ndarray) -> None:
-    """A product that overflowed float32 (where the device did not check it already)."""
+def check_output(y: np.ndarray, first_column: int = 0) -> None:
+    """A product that overflowed float32 (where the device did not check it already); `y` may be a block of the
+    output's columns, from `first_column` on."""
     if not np.isfinite(y).all():
         r, c = (int(v) for v in np.argwhere(~np.isfinite(y))[0])
+        c += first_column
         raise InvalidRequest(f"the product overflows float32 (first at row {r}, column {c}): scale the activations "
                              "down", "product_out_of_range")

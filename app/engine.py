@@ -23,7 +23,15 @@ import numpy as np
 from fastapi.concurrency import run_in_threadpool
 
 from app import placement
-from app.checks import INLINE_VALUES, Checked, amax_of, check_output, check_request, check_values
+from app.checks import (
+    INLINE_VALUES,
+    Checked,
+    amax_of,
+    check_output,
+    check_request,
+    check_splittable,
+    check_values,
+)
 from app.placement import Part, Placement, Placements, Replica
 from app.scheduler import Answer, BatchAnswer, settle_future
 from app.settings import Settings
@@ -149,10 +157,8 @@ class Engine:
     def place(self, backend: str, model: Model, info: TensorInfo, scheme: Scheme | None, devices: list[int],
               how: Literal["replicate", "split"]) -> Placement:
         """POST .../load's placement: `devices` (pool indices) each with a copy, or one copy split by rows."""
-        if how == "split" and len(devices) > 1 and scheme is not None:
-            reason = scheme.split_reason(info.shape[1])
-            if reason:
-                raise InvalidRequest(f"{info.name} in {scheme.tag} cannot be split by rows: {reason}", "cannot_split")
+        if how == "split" and len(devices) > 1:
+            check_splittable(info, scheme)
         found = placement.requested(info.shape[0], devices, how)
         key = (model.version_key, info.name, scheme.tag if scheme else "")
         old = self.placements[backend].get(key)
@@ -176,18 +182,20 @@ class Engine:
         return await future
 
     def enqueue(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
-                done: Callable[[Answer | BaseException], None], amax: float | None = None) -> None:
+                done: Callable[[Answer | BaseException], None], amax: float | None = None,
+                rows: tuple[int, int] | None = None) -> None:
         """A checked request's product through the scheduler of the device that holds its tensor (which may batch it
         with others of this tensor in the same weight format), `done` called with its Answer or its error; on
         every device of a split tensor at once.  `out` [M, N] float32: where Y goes (a front's shared memory), else
-        an array of the engine's own."""
+        an array of the engine's own.  `rows`: only W's rows [start, stop), written into those columns of `out`
+        (this engine's block of a tensor split across engine processes)."""
         try:
-            if self._enqueue_small(model, c, x, out, done, amax):
+            if rows is None and self._enqueue_small(model, c, x, out, done, amax):
                 return
         except Exception as exc:
             done(exc)
             return
-        task = asyncio.ensure_future(self._matmul(model, c, x, out))
+        task = asyncio.ensure_future(self._matmul(model, c, x, out, rows))
         self._tasks.add(task)
 
         def finished(t: asyncio.Task) -> None:
@@ -251,8 +259,10 @@ class Engine:
                 raise Overloaded(f"{w.label} has {w.scheduler.depth()} requests waiting (QGEMM_MAX_QUEUE="
                                  f"{self.settings.max_queue}): retry after the Retry-After seconds")
 
-    async def _matmul(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None) -> Answer:
-        """The general case: large X (checked from the max|x| the device measures), several devices."""
+    async def _matmul(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
+                      rows: tuple[int, int] | None = None) -> Answer:
+        """The general case: large X (checked from the max|x| the device measures), several devices, a block of
+        rows (`rows`, on this engine's first device)."""
         info, scheme, eff, spec = c.info, c.scheme, c.eff, c.kernel
         # large X on a GPU: its values are checked from the max|x| per row the device measures as it quantizes
         on_device = x.size > INLINE_VALUES and self.gpu is not None
@@ -264,8 +274,12 @@ class Engine:
         backend = chosen.backend
         pool = self.pools[backend]
         key = (model.version_key, info.name, scheme.tag if scheme else "")
-        if len(pool) == 1:  # one device: nothing to place
-            replica: Replica = (Part(0, 0, info.shape[0]),)
+        if rows is not None:  # a block of a tensor split across engine processes: this engine's device
+            if out is None:
+                raise ValueError("a block of rows is written into the request's output")
+            replica: Replica = (Part(0, *rows),)
+        elif len(pool) == 1:  # one device: nothing to place
+            replica = (Part(0, 0, info.shape[0]),)
         else:
             found = self.placement_of(backend, model, info, scheme, eff)
             replica = self.placements[backend].pick(found, lambda d: pool[d].backlog())
@@ -283,8 +297,8 @@ class Engine:
         # a value out of range (or a backend that did not measure X): the host finds what and where
         if on_device and (answer.x_amax is None or not q8_1_in_range(answer.x_amax)):
             await run_in_threadpool(check_values, eff, x, x32, spec is None, chosen, answer.x_amax)
-        if answer.result.finite is not True:  # unless the device checked
-            check_output(answer.output)
+        if answer.result.finite is not True:  # unless the device checked; a block: only its own columns
+            check_output(answer.output, 0) if rows is None else check_output(answer.output[:, rows[0]:rows[1]], rows[0])
         return answer
 
     async def _split(self, pool: list[Worker], replica: Replica, key: tuple, model: Model, info: TensorInfo,
@@ -359,24 +373,49 @@ class Engine:
         effs = [effective(info, scheme) for info in infos]
         loaded = []
         for info, eff in zip(infos, effs, strict=True):
-            n, k = eff.shape
+            n = eff.shape[0]
             if devices is not None or how is not None:
                 found = self.place(backend, model, info, scheme, devices or list(range(len(pool))), how or "replicate")
             elif len(pool) > 1:
                 found = self.placement_of(backend, model, info, scheme, eff)
             else:
                 found = Placement([(Part(0, 0, n),)], "single", n)
+                old = self.placements[backend].pop((model.version_key, info.name, scheme.tag if scheme else ""))
+                if old is not None:  # this engine's block of a split before (preload_rows): the whole copy now
+                    pool[0].unload(lambda k, name=info.name: k == (model.version_key, name))
             for replica in found.replicas:
                 for part in replica:
-                    eff_part = dataclasses.replace(eff, shape=(part.rows, k))
-                    ms = (1,) if kernel or backend != "cuda" else (1, 512)
-                    specs = [self.choose(kernel or "auto", eff_part, m) for m in ms]
-                    worker = pool[part.device]
-                    for spec in {s.weights.name: s for s in specs if s.backend == backend}.values():
-                        w = weights(model, info, scheme, part)
-                        nbytes = worker.prepare(spec, w)
-                        loaded.append({"tensor": info.name, "layout": w.layout_key(spec.weights.name),
-                                       "n_bytes": nbytes, "device": worker.label})
+                    loaded += self._prepare(backend, model, info, scheme, eff, part, kernel)
+        return loaded
+
+    def preload_rows(self, model: Model, info: TensorInfo, kernel: str | None, scheme: Scheme | None,
+                     rows: tuple[int, int], backend: str) -> list[dict[str, Any]]:
+        """This engine's block of rows of a tensor split across engine processes, on its first device, placed there
+        (residency lists it) in place of any whole copy."""
+        eff = effective(info, scheme)
+        part = Part(0, *rows)
+        key = (model.version_key, info.name, scheme.tag if scheme else "")
+        old = self.placements[backend].get(key)
+        self.placements[backend].set(key, Placement([(part,)], "split", eff.shape[0]))
+        if old is not None and old.replicas != [(part,)]:
+            for d in old.devices():
+                self.pools[backend][d].unload(lambda k: k == (model.version_key, info.name))
+        return self._prepare(backend, model, info, scheme, eff, part, kernel)
+
+    def _prepare(self, backend: str, model: Model, info: TensorInfo, scheme: Scheme | None, eff: TensorInfo,
+                 part: Part, kernel: str | None) -> list[dict[str, Any]]:
+        """A part's weights made and kept on its device in the layouts `kernel` (default: auto at M = 1, and on a GPU
+        at M = 512) reads."""
+        eff_part = dataclasses.replace(eff, shape=(part.rows, eff.shape[1]))
+        ms = (1,) if kernel or backend != "cuda" else (1, 512)
+        kernels = [self.choose(kernel or "auto", eff_part, m) for m in ms]
+        worker = self.pools[backend][part.device]
+        loaded = []
+        for chosen in {s.weights.name: s for s in kernels if s.backend == backend}.values():
+            w = weights(model, info, scheme, part)
+            nbytes = worker.prepare(chosen, w)
+            loaded.append({"tensor": info.name, "layout": w.layout_key(chosen.weights.name), "n_bytes": nbytes,
+                           "device": worker.label})
         return loaded
 
     def unload(self, model: Model, tensors: set[str] | None) -> int:

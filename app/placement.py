@@ -97,6 +97,9 @@ class Placements:
     def set(self, key: tuple[Hashable, str, str], placement: Placement) -> None:
         self._map[key] = placement
 
+    def pop(self, key: tuple[Hashable, str, str]) -> Placement | None:
+        return self._map.pop(key, None)
+
     def drop(self, version_key: Hashable, tensors: set[str] | None = None) -> None:
         for key in [k for k in self._map if k[0] == version_key and (tensors is None or k[1] in tensors)]:
             del self._map[key]

@@ -86,12 +86,18 @@ class LocalService:
 
     async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
                    devices: list[int] | None, placement: Literal["replicate", "split"] | None,
-                   alone: bool = True) -> dict[str, Any]:
-        """`alone` False: this engine is one of a server's several (an engine process per device)."""
+                   alone: bool = True, rows: tuple[int, int] | None = None) -> dict[str, Any]:
+        """`alone` False: this engine is one of a server's several (an engine process per device); `rows`: only
+        that block of rows of each tensor, this engine's share of a tensor split across them."""
         e = self.engine
         backend = e.backend
         if e.gpu is None and len(e.pools["cpu"]) == 1 and alone:
             raise Conflict(f"this server runs on the CPU backend ({e.cuda_error}); nothing to load", "no_gpu")
+        if rows is not None:
+            loaded = []
+            for info in infos:
+                loaded += await run_in_threadpool(e.preload_rows, model, info, kernel, scheme, rows, backend)
+            return {"loaded": loaded, "resident": e.residency(model)}
         pool = [e.worker_named(backend, d) for d in devices] if devices else None
         if pool is not None and len(set(pool)) != len(pool):
             raise InvalidRequest("devices names a device twice", "bad_device")

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
                                                               "0: one process serves HTTP and runs the engine")
     engines: Literal["per-device", "one"] = Field("per-device", description="engine processes beside the fronts: one "
                                                    "per device (each GPU of QGEMM_DEVICES, else each CPU device), "
-                                                   "or one for every device (tensors split by rows across GPUs)")
+                                                   "or one for every device")
     cpu_device_first: int = Field(0, ge=0, description="the number of this process's first CPU device (cpu:N): set "
                                                        "by the supervisor for an engine process per device")
     front_arena_bytes: int = Field(64 * MiB, ge=1 << 20, description="each front's shared memory for requests' "

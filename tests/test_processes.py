@@ -319,7 +319,7 @@ def test_nothing_outlives_a_killed_supervisor_and_the_port_is_free(models_dir: P
 
 def test_an_engine_per_device_each_on_its_own(models_dir: Path) -> None:
     """QGEMM_CPU_DEVICES=2: two engine processes, one device each; /healthz lists both devices, products go to
-    either, residency and unload cover both, and a split across engines is refused with the setting that allows it."""
+    either, residency and unload cover both."""
     s = Server(models_dir, fronts=1, QGEMM_BACKEND="cpu", QGEMM_CPU_DEVICES="2").start()
     try:
         h = s.health()
@@ -333,13 +333,59 @@ def test_an_engine_per_device_each_on_its_own(models_dir: Path) -> None:
             assert loaded.status_code == 200, loaded.text
             held = {t["device"] for t in loaded.json()["resident"]["tensors"] if t["tensor"] == "tiny.q8_0.weight"}
             assert held == {"cpu:0", "cpu:1"}  # replicated: each engine holds its copy
-            split = c.post("/v1/models/demo/load", json={"tensors": ["tiny.q8_0.weight"], "placement": "split"})
-            assert split.status_code == 422 and split.json()["error"]["code"] == "cannot_split"
-            assert "QGEMM_ENGINES=one" in split.json()["error"]["message"]
             one = c.post("/v1/models/demo/load", json={"tensors": ["tiny.q4_1.weight"], "devices": [1]})
             assert one.status_code == 200 and {r["device"] for r in one.json()["loaded"]} == {"cpu:1"}
             freed = c.post("/v1/models/demo/unload", json={})
             assert freed.status_code == 200 and freed.json()["resident"]["tensors"] == []
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_tensor_split_across_engines_writes_each_block_into_one_answer(models_dir: Path) -> None:
+    """POST .../load with placement split over two engine processes: each holds its block of rows and writes its
+    columns of Y into the request's one slot; the answer is the whole tensor's, bit for bit, from either front (the
+    one that did not take the load learns it from the epoch the engines' answers carry); a split refused in
+    process is refused here alike; a whole copy (or an unload) ends the split."""
+    s = Server(models_dir, fronts=2, QGEMM_BACKEND="cpu", QGEMM_CPU_DEVICES="2").start()
+    name = "small.q8_0.weight"  # [257, 96]: blocks [0, 128) and [128, 257)
+    x = np.random.default_rng().standard_normal((3, 96)).astype(np.float32)
+
+    def product() -> httpx.Response:  # a new connection each time: either front
+        r = httpx.post(f"{s.url}/v1/matmul?model=demo&tensor={name}", content=_npy(x), timeout=30,
+                       headers={"Content-Type": "application/x-npy", "Accept": "application/x-npy"})
+        assert r.status_code == 200, r.text
+        return r
+
+    try:
+        whole = product().content
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            refused = c.post("/v1/models/demo/load", json={"tensors": [name], "placement": "split",
+                                                          "weight_format": "nf4", "double_quant": True})
+            assert refused.status_code == 422 and refused.json()["error"]["code"] == "cannot_split"
+            split = c.post("/v1/models/demo/load", json={"tensors": [name], "placement": "split"})
+            assert split.status_code == 200, split.text
+            placed = [p for p in split.json()["resident"]["placements"] if p["tensor"] == name]
+            assert placed == [{"tensor": name, "weight_format": "gguf", "how": "split",
+                               "replicas": [[{"device": "cpu:0", "rows": [0, 128]},
+                                             {"device": "cpu:1", "rows": [128, 257]}]]}]
+        def settles(split: bool) -> None:
+            """Every answer is the whole tensor's; the fronts come to run it split (or whole) for good: a front
+            learns at its first answer after the change, so a run of 16 alike comes within 200 requests."""
+            run = 0
+            for _ in range(200):
+                r = product()
+                assert r.content == whole
+                run = run + 1 if (r.headers["x-qgemm-devices"] == "cpu:0,cpu:1") == split else 0
+                if run == 16:
+                    return
+            raise AssertionError(f"the fronts did not settle on running {name} {'split' if split else 'whole'}")
+
+        settles(split=True)
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            again = c.post("/v1/models/demo/load", json={"tensors": [name]})
+            assert again.status_code == 200 and not [p for p in again.json()["resident"]["placements"]
+                                                     if p["tensor"] == name and p["how"] == "split"]
+        settles(split=False)
     finally:
         assert s.stop() == 0
 

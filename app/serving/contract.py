@@ -47,6 +47,8 @@ class Matmul(Message, tag=1):
     n: int = 0
     own: bool = False
     amax: float | None = None  # max|X| (NaN where X holds one), measured by the front as it wrote X
+    part: tuple[int, int] | None = None  # a tensor split across engines: W's rows [start, stop) this engine
+    # multiplies, whose columns of Y [m, n] (row stride n) it writes; None: the whole tensor
 
 
 class Health(Message, tag=2):
@@ -73,6 +75,7 @@ class Load(Message, tag=6):
     devices: list[int] | None = None
     placement: Literal["replicate", "split"] | None = None
     alone: bool = True  # the server's only engine (a CPU backend of one device then has nothing to load)
+    part: tuple[int, int] | None = None  # this engine's rows [start, stop) of a tensor split across engines
 
 
 class Unload(Message, tag=7):
@@ -92,6 +95,11 @@ class Ping(Message, tag=9):
     """The supervisor's watchdog: an engine whose loop turns answers at once."""
 
 
+class Splits(Message, tag=10):
+    """The blocks of rows this engine holds of tensors split across engines: a Reply of [model, tensor, weight
+    format tag, start, stop] rows."""
+
+
 # -- engine -> front -------------------------------------------------------------------------------------------
 class Done(Message, tag=20):
     """A Matmul's answer: Y is in the slot; how it was computed."""
@@ -103,6 +111,7 @@ class Done(Message, tag=20):
     batch: tuple[int, int, int] = (1, 1, 1)  # requests and rows of the largest batch it ran in, chunks
     queue_ms: float = 0.0
     devices: list[str] = []
+    epoch: int = 0  # the engine's count of changes to its splits: a front that sees a new one asks for them again
 
 
 class Reply(Message, tag=21):
@@ -119,7 +128,7 @@ class Failed(Message, tag=22):
     message: str = ""
 
 
-Request = Matmul | Health | Kernels | MetricsText | Residency | Load | Unload | QuantTimes | Ping
+Request = Matmul | Health | Kernels | MetricsText | Residency | Load | Unload | QuantTimes | Ping | Splits
 Answer = Done | Reply | Failed
 
 # the errors that cross as themselves, by class name

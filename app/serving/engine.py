@@ -126,6 +126,10 @@ class EngineServer:
         # what a request names (model, file version, tensor, weight format, kernel), resolved once
         self.targets: dict[tuple, tuple[Model, Checked]] = {}
         self.tasks: set[asyncio.Task] = set()
+        # this engine's blocks of rows of tensors split across engines, by (model, tensor, weight format tag), and
+        # the count of changes to them that every answer carries (a front that sees a new count asks again)
+        self.parts: dict[tuple[str, str, str], tuple[int, int]] = {}
+        self.epoch = 0
 
     # -- the requests of one read ------------------------------------------------------------------------------
     def on_requests(self, end: Framed, requests: list[contract.Request]) -> None:
@@ -143,7 +147,7 @@ class EngineServer:
         task.add_done_callback(self.tasks.discard)
 
     def matmul(self, end: Framed, r: Matmul) -> None:
-        target = self.targets.get((r.model, r.version, r.tensor, r.scheme, r.kernel))
+        target = self.targets.get((r.model, r.version, r.tensor, r.scheme, r.kernel))  # a block of rows: its tensor's
         if target is None:  # a tensor (or file version) first seen: resolved off this path, then queued
             self._spawn(self._matmul_first(end, r))
             return
@@ -176,9 +180,9 @@ class EngineServer:
             b = got.batch
             self._answer(end, contract.Done(request_id, got.kernel.name, result.backend, result.activation_format,
                                             timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
-                                            got.devices), r)
+                                            got.devices, self.epoch), r)
 
-        self.engine.enqueue(*target, x, y, done, r.amax)
+        self.engine.enqueue(*target, x, y, done, r.amax, r.part)
 
     def _answer(self, end: Framed, answer: contract.Answer, r: Matmul) -> None:
         self.segments.give(r.segment, r.own)
@@ -238,10 +242,14 @@ class EngineServer:
         if isinstance(r, contract.Load):
             model = await self.model(r.model)
             infos = [model.tensors[name] for name in r.tensors if name in model.tensors]
-            return await s.load(model, infos, r.kernel, Scheme(*r.scheme) if r.scheme else None, r.devices,
-                                r.placement, r.alone)
+            scheme = Scheme(*r.scheme) if r.scheme else None
+            self._set_parts(r.model, [i.name for i in infos], scheme, r.part)
+            return await s.load(model, infos, r.kernel, scheme, r.devices, r.placement, r.alone, r.part)
         if isinstance(r, contract.Unload):
+            self._set_parts(r.model, r.tensors, None, None, every_format=True)
             return await s.unload(await self.store.current(r.model), set(r.tensors) if r.tensors is not None else None)
+        if isinstance(r, contract.Splits):
+            return [[*key, *rows] for key, rows in self.parts.items()]
         if isinstance(r, contract.QuantTimes):
             model = await self.model(r.model)
             rows = r.rows
@@ -249,6 +257,21 @@ class EngineServer:
                                                 [Scheme(*f) for f in r.schemes], r.ms)
             return {"rows": rows, "device": device, "timed": timed}
         raise TypeError(f"no such request: {type(r).__name__}")
+
+    def _set_parts(self, model: str, tensors: list[str] | None, scheme: Scheme | None, rows: tuple[int, int] | None,
+                   every_format: bool = False) -> None:
+        """Record this engine's block of each tensor (`rows`), or that it holds none (a whole copy, an unload: every
+        weight format's with `every_format`); the epoch moves on any change."""
+        tag = scheme.tag if scheme else ""
+        before = dict(self.parts)
+        for key in list(self.parts):
+            if key[0] == model and (tensors is None or key[1] in tensors) and (every_format or key[2] == tag):
+                del self.parts[key]
+        if rows is not None:
+            for name in tensors or ():
+                self.parts[(model, name, tag)] = (rows[0], rows[1])
+        if self.parts != before:
+            self.epoch += 1
 
     async def housekeeping(self) -> None:
         while True:

@@ -12,6 +12,7 @@ engine that is down answers 503 with Retry-After at once, for the requests in fl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import zlib
@@ -19,14 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
-from app.checks import INLINE_VALUES, Checked, amax_of
+from app.checks import INLINE_VALUES, Checked, amax_of, check_splittable
 from app.errors import ApiError
 from app.metrics import merge_exposition
+from app.placement import split_rows
 from app.scheduler import Answer
 from app.serving import arenas, contract
 from app.serving.channel import Channel, EngineUnavailable
+from app.tensors import effective
 from kernels.errors import InvalidRequest
 from kernels.registry import KERNELS
 from kernels.requant import Scheme
@@ -59,6 +63,11 @@ class RemoteService:
         self.inflight_bytes = inflight_bytes
         self.arena: arenas.Arena | None = None
         self._bodies: dict[int, list[int]] = {}  # bodies read in place: region offset -> [bytes, holders]
+        # tensors split across engines: (model, tensor, weight format tag) -> [(engine, start, stop)], as the engines
+        # last said (each answer carries its engine's epoch: a new one and the table is asked for again)
+        self.splits: dict[tuple[str, str, str], list[tuple[int, int, int]]] = {}
+        self._epochs = [0] * len(self.channels)
+        self._refreshing: asyncio.Task | None = None
         self._chooser: KernelChooser | None = None
         self._kernels: list[dict[str, Any]] | None = None
         self._last_health: dict[str, Any] = {"backend": "cpu", "device": None, "compile_ms": None, "devices": []}
@@ -186,21 +195,29 @@ class RemoteService:
                                   scheme_fields(checked.scheme), slot.segment,
                                   slot.offset if body is None else body[1], slot.y_offset, m, k, n,
                                   slot.own is not None, amax)
-        channel = self._engine_for(checked.info.name)
+        tag = checked.scheme.tag if checked.scheme is not None else ""
+        split = self._split_of(model.id, checked.info.name, tag, n)
+        sends = [(self.channels.index(self._engine_for(checked.info.name)), request)] if split is None else \
+            [(engine, msgspec.structs.replace(request, part=(start, stop))) for engine, start, stop in split]
+        futures: list[asyncio.Future] = []
         try:
-            if not channel.connected:
-                await channel.connect()
-            answer = channel.send(request)  # a future: no task of its own
+            for engine, part in sends:
+                if not self.channels[engine].connected:
+                    await self.channels[engine].connect()
+                futures.append(self.channels[engine].send(part))  # a future: no task of its own
         except EngineUnavailable as exc:
-            self.arena.release(slot)
-            if body is not None:
-                self._let_go_body(body[0])
+            self._after(futures, slot, body)  # the blocks already asked for write into the slot until answered
             raise ApiError(503, "engine_unavailable", f"{exc}; retry after the Retry-After seconds", RETRY) from None
-        if body is not None:  # the engine reads X until it answers, whatever the answer
+        answer = futures[0] if len(futures) == 1 else asyncio.gather(*futures, return_exceptions=True)
+        if body is not None:  # the engines read X until they answer, whatever the answer
             answer.add_done_callback(lambda _, offset=body[0]: self._let_go_body(offset))
         try:
-            done = await asyncio.shield(answer)
-        except asyncio.CancelledError:  # the client went: the engine may still write Y; the slot waits for it
+            got = await asyncio.shield(answer)
+            dones = [got] if len(futures) == 1 else got
+            failed = next((d for d in dones if isinstance(d, BaseException)), None)
+            if failed is not None:
+                raise failed
+        except asyncio.CancelledError:  # the client went: the engines may still write Y; the slot waits for them
             answer.add_done_callback(self._release_after(slot))
             raise
         except EngineUnavailable as exc:
@@ -209,12 +226,59 @@ class RemoteService:
         except BaseException:
             self.arena.release(slot)
             raise
+        for (engine, _), done in zip(sends, dones, strict=True):
+            self._saw(engine, done.epoch)
+        done = dones[0]
         assert isinstance(done, contract.Done)
-        result = Result(None, done.backend, done.activation_format, done.timing)  # type: ignore[arg-type]
+        timing = done.timing if len(dones) == 1 else \
+            {t: max(d.timing.get(t, 0.0) for d in dones) for t in done.timing}  # the blocks ran at once
+        result = Result(None, done.backend, done.activation_format, timing)  # type: ignore[arg-type]
         requests, rows, chunks = done.batch
         batch = {"requests": requests, "rows": rows, **({"chunks": chunks} if chunks > 1 else {})}
-        return Answer(slot.y(), KERNELS[done.kernel], result, batch, done.queue_ms, done.devices,
+        devices = done.devices if len(dones) == 1 else [d for each in dones for d in each.devices]
+        return Answer(slot.y(), KERNELS[done.kernel], result, batch, max(d.queue_ms for d in dones), devices,
                       release=lambda: self.arena.release(slot))  # type: ignore[union-attr]
+
+    def _after(self, futures: list[asyncio.Future], slot: arenas.Slot, body: tuple[int, int] | None) -> None:
+        """The slot (and the body's region) let go once every engine already asked has answered."""
+        def release(_: object = None) -> None:
+            if body is not None:
+                self._let_go_body(body[0])
+            assert self.arena is not None
+            self.arena.release(slot)
+
+        if futures:
+            asyncio.gather(*futures, return_exceptions=True).add_done_callback(release)
+        else:
+            release()
+
+    # -- tensors split across engines ---------------------------------------------------------------------------
+    def _split_of(self, model: str, tensor: str, tag: str, n: int) -> list[tuple[int, int, int]] | None:
+        """The engines' blocks of a tensor split across them, where they cover its N rows in order; else None."""
+        parts = self.splits.get((model, tensor, tag)) if self.splits else None
+        if not parts or len(parts) < 2 or parts[0][1] != 0 or parts[-1][2] != n:
+            return None
+        if any(a[2] != b[1] for a, b in itertools.pairwise(parts)):
+            return None
+        return parts
+
+    def _saw(self, engine: int, epoch: int) -> None:
+        """An engine's answer named its splits' epoch: a new one, and the table is asked for again."""
+        if epoch != self._epochs[engine]:
+            self._epochs[engine] = epoch
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self._refresh_splits())
+
+    async def _refresh_splits(self) -> None:
+        table: dict[tuple[str, str, str], list[tuple[int, int, int]]] = {}
+        for engine, channel in enumerate(self.channels):
+            try:
+                held = (await self._call(contract.Splits(), channel, 2.0)).value
+            except ApiError:  # an engine that is down: its blocks are unknown, so those tensors run whole
+                continue
+            for model, tensor, tag, start, stop in held:
+                table.setdefault((model, tensor, tag), []).append((engine, start, stop))
+        self.splits = {key: sorted(parts, key=lambda p: p[1]) for key, parts in table.items()}
 
     def _release_after(self, slot: arenas.Slot) -> Callable[[asyncio.Future], None]:
         """The slot's release once the engine answered a request whose client went (its error is not news)."""
@@ -241,11 +305,12 @@ class RemoteService:
     async def load(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
                    devices: list[int] | None, placement: Literal["replicate", "split"] | None) -> dict[str, Any]:
         engines = await self._engines_of(devices)
+        tag = scheme.tag if scheme is not None else ""
         if len(self.channels) > 1:
             if placement == "split" and len(engines) > 1:
-                raise InvalidRequest("a tensor is split by rows across the devices of one engine process: this server "
-                                     "runs an engine per device (QGEMM_ENGINES=one serves them from one)",
-                                     "cannot_split")
+                return await self._load_split(model, infos, kernel, scheme, engines)
+            for info in infos:  # a whole copy on each engine named: no longer split
+                self.splits.pop((model.id, info.name, tag), None)
             devices, placement = None, None  # each engine loads onto its own device
         request = {"model": model.id, "tensors": [i.name for i in infos], "kernel": kernel,
                    "scheme": scheme_fields(scheme), "devices": devices, "placement": placement,
@@ -254,16 +319,45 @@ class RemoteService:
         loaded = [row for r in replies for row in r.value["loaded"]]
         return {"loaded": loaded, "resident": await self.residency(model)}
 
+    async def _load_split(self, model: Model, infos: list[TensorInfo], kernel: str | None, scheme: Scheme | None,
+                          engines: list[Channel]) -> dict[str, Any]:
+        """Each tensor split by rows across the engines named, each holding its block; a product then asks each for
+        its columns of Y, written into the one slot."""
+        for info in infos:
+            check_splittable(info, scheme)
+        tag = scheme.tag if scheme is not None else ""
+        loaded = []
+        for info in infos:
+            parts = split_rows(effective(info, scheme).shape[0], [self.channels.index(c) for c in engines])
+            replies = await asyncio.gather(*(self._call(contract.Load(
+                model=model.id, tensors=[info.name], kernel=kernel, scheme=scheme_fields(scheme), alone=False,
+                part=(p.start, p.stop)), self.channels[p.device]) for p in parts))
+            loaded += [row for r in replies for row in r.value["loaded"]]
+            self.splits[(model.id, info.name, tag)] = [(p.device, p.start, p.stop) for p in parts]
+        return {"loaded": loaded, "resident": await self.residency(model)}
+
     async def unload(self, model: Model, tensors: set[str] | None) -> dict[str, Any]:
         names = sorted(tensors) if tensors is not None else None
+        for key in [k for k in self.splits if k[0] == model.id and (tensors is None or k[1] in tensors)]:
+            del self.splits[key]
         freed = await self._each(lambda: contract.Unload(model=model.id, tensors=names))
         return {"freed_bytes": sum(f["freed_bytes"] for f in freed), "resident": await self.residency(model)}
 
     async def residency(self, model: Model) -> dict[str, Any]:
         each = await self._each(lambda: contract.Residency(model=model.id))
         tensors = [t for r in each for t in r["tensors"]]
+        placed: dict[tuple[str, str], dict[str, Any]] = {}  # a tensor split across engines: its blocks joined
+        whole = []
+        for p in (p for r in each for p in r["placements"]):
+            if p["how"] != "split":
+                whole.append(p)
+                continue
+            joined = placed.setdefault((p["tensor"], p["weight_format"]), {**p, "replicas": [[]]})
+            joined["replicas"][0] += [part for replica in p["replicas"] for part in replica]
+        for p in placed.values():
+            p["replicas"][0].sort(key=lambda part: part["rows"][0])
         return {"backend": each[0]["backend"], "n_bytes": sum(t["n_bytes"] for t in tensors), "tensors": tensors,
-                "placements": [p for r in each for p in r["placements"]]}
+                "placements": whole + list(placed.values())}
 
     async def quant_times(self, model: Model, info: TensorInfo, rows: list[dict[str, Any]], schemes: list[Scheme],
                           ms: list[int]) -> tuple[str | None, bool]:
