@@ -98,11 +98,14 @@ class RemoteService:
         return [r.value for r in replies]
 
     def _engine_for(self, tensor: str) -> Channel:
+        return self.channels[self._engine_index(tensor)]
+
+    def _engine_index(self, tensor: str) -> int:
         channels = self.channels
         if len(channels) == 1:
-            return channels[0]
+            return 0
         home = zlib.crc32(tensor.encode()) % len(channels)
-        return min(channels, key=lambda c: (c.in_flight, c is not channels[home]))
+        return min(range(len(channels)), key=lambda i: (channels[i].in_flight, i != home))
 
     # -- the questions ---------------------------------------------------------------------------------------
     async def chooser(self) -> KernelChooser:
@@ -197,7 +200,7 @@ class RemoteService:
                                   slot.own is not None, amax)
         tag = checked.scheme.tag if checked.scheme is not None else ""
         split = self._split_of(model.id, checked.info.name, tag, n)
-        sends = [(self.channels.index(self._engine_for(checked.info.name)), request)] if split is None else \
+        sends = [(self._engine_index(checked.info.name), request)] if split is None else \
             [(engine, msgspec.structs.replace(request, part=(start, stop))) for engine, start, stop in split]
         futures: list[asyncio.Future] = []
         try:
@@ -226,17 +229,22 @@ class RemoteService:
         except BaseException:
             self.arena.release(slot)
             raise
-        for (engine, _), done in zip(sends, dones, strict=True):
-            self._saw(engine, done.epoch)
         done = dones[0]
         assert isinstance(done, contract.Done)
-        timing = done.timing if len(dones) == 1 else \
-            {t: max(d.timing.get(t, 0.0) for d in dones) for t in done.timing}  # the blocks ran at once
+        timing, queue_ms, devices = done.timing, done.queue_ms, done.devices
+        if len(dones) == 1:
+            if done.epoch != self._epochs[sends[0][0]]:
+                self._saw(sends[0][0], done.epoch)
+        else:  # the blocks ran at once: each step's slowest
+            for (engine, _), each in zip(sends, dones, strict=True):
+                self._saw(engine, each.epoch)
+            timing = {t: max(d.timing.get(t, 0.0) for d in dones) for t in done.timing}
+            queue_ms = max(d.queue_ms for d in dones)
+            devices = [d for each in dones for d in each.devices]
         result = Result(None, done.backend, done.activation_format, timing)  # type: ignore[arg-type]
         requests, rows, chunks = done.batch
         batch = {"requests": requests, "rows": rows, **({"chunks": chunks} if chunks > 1 else {})}
-        devices = done.devices if len(dones) == 1 else [d for each in dones for d in each.devices]
-        return Answer(slot.y(), KERNELS[done.kernel], result, batch, max(d.queue_ms for d in dones), devices,
+        return Answer(slot.y(), KERNELS[done.kernel], result, batch, queue_ms, devices,
                       release=lambda: self.arena.release(slot))  # type: ignore[union-attr]
 
     def _after(self, futures: list[asyncio.Future], slot: arenas.Slot, body: tuple[int, int] | None) -> None:
