@@ -67,6 +67,7 @@ class RemoteService:
         # last said (each answer carries its engine's epoch: a new one and the table is asked for again)
         self.splits: dict[tuple[str, str, str], list[tuple[int, int, int]]] = {}
         self._epochs = [0] * len(self.channels)
+        self._stale = False  # an epoch changed since the table was last asked for
         self._refreshing: asyncio.Task | None = None
         self._chooser: KernelChooser | None = None
         self._kernels: list[dict[str, Any]] | None = None
@@ -271,22 +272,26 @@ class RemoteService:
         return parts
 
     def _saw(self, engine: int, epoch: int) -> None:
-        """An engine's answer named its splits' epoch: a new one, and the table is asked for again."""
+        """An engine's answer named its splits' epoch: a new one, and the table is asked for again (once more after
+        the asking in flight, which may have missed it)."""
         if epoch != self._epochs[engine]:
             self._epochs[engine] = epoch
+            self._stale = True
             if self._refreshing is None or self._refreshing.done():
                 self._refreshing = asyncio.ensure_future(self._refresh_splits())
 
     async def _refresh_splits(self) -> None:
-        table: dict[tuple[str, str, str], list[tuple[int, int, int]]] = {}
-        for engine, channel in enumerate(self.channels):
-            try:
-                held = (await self._call(contract.Splits(), channel, 2.0)).value
-            except ApiError:  # an engine that is down: its blocks are unknown, so those tensors run whole
-                continue
-            for model, tensor, tag, start, stop in held:
-                table.setdefault((model, tensor, tag), []).append((engine, start, stop))
-        self.splits = {key: sorted(parts, key=lambda p: p[1]) for key, parts in table.items()}
+        while self._stale:
+            self._stale = False
+            table: dict[tuple[str, str, str], list[tuple[int, int, int]]] = {}
+            for engine, channel in enumerate(self.channels):
+                try:
+                    held = (await self._call(contract.Splits(), channel, 2.0)).value
+                except ApiError:  # an engine that is down: its blocks are unknown, so those tensors run whole
+                    continue
+                for model, tensor, tag, start, stop in held:
+                    table.setdefault((model, tensor, tag), []).append((engine, start, stop))
+            self.splits = {key: sorted(parts, key=lambda p: p[1]) for key, parts in table.items()}
 
     def _release_after(self, slot: arenas.Slot) -> Callable[[asyncio.Future], None]:
         """The slot's release once the engine answered a request whose client went (its error is not news)."""
