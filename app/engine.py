@@ -297,8 +297,11 @@ class Engine:
         # a value out of range (or a backend that did not measure X): the host finds what and where
         if on_device and (answer.x_amax is None or not q8_1_in_range(answer.x_amax)):
             await run_in_threadpool(check_values, eff, x, x32, spec is None, chosen, answer.x_amax)
-        if answer.result.finite is not True:  # unless the device checked; a block: only its own columns
-            check_output(answer.output, 0) if rows is None else check_output(answer.output[:, rows[0]:rows[1]], rows[0])
+        if answer.result.finite is not True and rows is None:  # unless the device checked
+            check_output(answer.output)
+        elif answer.result.finite is not True:  # a block: only its own columns (another engine writes the rest)
+            assert rows is not None and answer.output is not None
+            check_output(answer.output[:, rows[0]:rows[1]], rows[0])
         return answer
 
     async def _split(self, pool: list[Worker], replica: Replica, key: tuple, model: Model, info: TensorInfo,
