@@ -39,7 +39,7 @@ def _answer(status: int, reason: str, code: str, message: str, retry_after: int 
 
 IN_PLACE = "qgemm.body_in_place"  # the scope state's key for a body read in place
 IN_PLACE_PATHS = frozenset({"/v1/matmul"})  # routes that read their body with `body_of`
-IN_PLACE_BYTES = 1 << 20
+READ_IN_PLACE_BYTES = 1 << 20  # bodies this large (of IN_PLACE_PATHS) are read in place
 
 
 async def body_of(request: Request) -> bytes | memoryview:
@@ -143,7 +143,7 @@ class BoundedHttp(HttpToolsProtocol):
         self._in_place = None
         if body and self.scope["path"] in IN_PLACE_PATHS and self.scope["method"] == "POST":
             length = next((value for name, value in self.headers if name == b"content-length"), None)
-            if length is not None and length.isdigit() and IN_PLACE_BYTES <= int(length) <= self.max_body:
+            if length is not None and length.isdigit() and READ_IN_PLACE_BYTES <= int(length) <= self.max_body:
                 n = int(length)
                 got = self.body_buffers(n) if self.body_buffers is not None else None
                 if got is not None:  # released once the request is over (its cycle gone), whatever its end

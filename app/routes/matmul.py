@@ -43,7 +43,7 @@ NPY = "application/x-npy"
 OCTETS = "application/octet-stream"  # the same .npy bytes: generated clients send a file so
 JSON = "application/json"
 INLINE_BYTES = 1 << 18  # JSON bodies up to this size are parsed on the event loop (a thread hop costs more)
-IN_PLACE_BYTES = 1 << 20  # .npy answers this large are sent from the output's own memory, not copied into a body
+SEND_IN_PLACE_BYTES = 1 << 20  # .npy answers this large are sent from the output's own memory, not copied into a body
 
 
 def _media(value: str | None) -> str:
@@ -340,7 +340,7 @@ def _respond(request: Request, answer: Answer, mdl: Model, info: TensorInfo, sch
                (b"x-qgemm-batch", b"%d,%d" % (batch["requests"], batch["rows"])),
                (b"x-qgemm-devices", ",".join(answer.devices).encode())]
     npy_out = NPY in (request.headers.get("accept") or "").lower()
-    if npy_out and y.nbytes >= IN_PLACE_BYTES:
+    if npy_out and y.nbytes >= SEND_IN_PLACE_BYTES:
         content = None
     elif npy_out:
         header = NPY_HEADERS.get(y.shape) or _npy_header(y.shape)

@@ -222,7 +222,7 @@ class RemoteService:
             if failed is not None:
                 raise failed
         except asyncio.CancelledError:  # the client went: the engines may still write Y; the slot waits for them
-            answer.add_done_callback(self._release_after(slot))
+            self._after(futures, slot, None)  # the body's region goes with `answer`'s callback above
             raise
         except EngineUnavailable as exc:
             self.arena.release(slot)
@@ -249,7 +249,8 @@ class RemoteService:
                       release=lambda: self.arena.release(slot))  # type: ignore[union-attr]
 
     def _after(self, futures: list[asyncio.Future], slot: arenas.Slot, body: tuple[int, int] | None) -> None:
-        """The slot (and the body's region) let go once every engine already asked has answered."""
+        """The slot (and the body's region) let go once every engine already asked has answered (their errors
+        retrieved: nobody else awaits them)."""
         def release(_: object = None) -> None:
             if body is not None:
                 self._let_go_body(body[0])
@@ -292,15 +293,6 @@ class RemoteService:
                 for model, tensor, tag, start, stop in held:
                     table.setdefault((model, tensor, tag), []).append((engine, start, stop))
             self.splits = {key: sorted(parts, key=lambda p: p[1]) for key, parts in table.items()}
-
-    def _release_after(self, slot: arenas.Slot) -> Callable[[asyncio.Future], None]:
-        """The slot's release once the engine answered a request whose client went (its error is not news)."""
-        def release(answer: asyncio.Future) -> None:
-            if not answer.cancelled():
-                answer.exception()  # retrieved: nobody else awaits it
-            assert self.arena is not None
-            self.arena.release(slot)
-        return release
 
     async def _engines_of(self, devices: list[int] | None) -> list[Channel]:
         """The engines serving `devices` (device numbers as the API names them), or all of them."""

@@ -172,7 +172,6 @@ class CudaBackend:
     def resolve_entry_points(self) -> None:
         """Every entry point each kernel this device runs declares (CudaKernel.entry_points), looked up now: a name
         its source lacks fails the start, where it used to fail the first request that launched it."""
-        from kernels.cuda.kernels import CudaKernel
         from kernels.registry import KERNELS
 
         missing = []
