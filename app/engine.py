@@ -252,6 +252,68 @@ class Engine:
         worker.scheduler.enqueue(key, job, x, c.kernel, out, settle)
         return True
 
+    def enqueue_many(self, model: Model, c: Checked, xs: list[np.ndarray], outs: list[np.ndarray],
+                     amaxes: list[float | None], done: Callable[[list[int], Answer | BaseException], None]) -> None:
+        """Several checked requests for one tensor (one frame's, from a front process) queued as one entry of the
+        device's queue: their X rows run in the same batch, each request's Y written into its own array of `outs`.
+        `done(indices, outcome)` is called with the requests' indices in `xs` and their Answer (its output None:
+        Y is in `outs`) or their error; it is called once for all that succeed, and once per group that fails.
+        Where the common case does not hold (large X, several devices), each goes through `enqueue`."""
+        rows = sum(x.shape[0] for x in xs)
+        hit = self._jobs.get(id(c))
+        pool = None
+        if hit is not None and hit[0] is c and hit[2].model is model:
+            _, key, job, picks = hit
+            chosen = c.kernel or picks.get(xs[0].shape[0])
+            if chosen is not None and len(self.pools[chosen.backend]) == 1:
+                pool = self.pools[chosen.backend]
+        if (pool is None or rows > self.settings.batch_max_rows
+                or any(x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous for x in xs)):
+            for i, (x, out, amax) in enumerate(zip(xs, outs, amaxes, strict=True)):  # one at a time (it fills _jobs)
+                self.enqueue(model, c, x, out, lambda got, i=i: done([i], got), amax)
+            return
+        worker = pool[0]
+        try:
+            self._admit([worker])
+        except Overloaded as exc:
+            done(list(range(len(xs))), exc)
+            return
+        queued = list(range(len(xs)))
+        for i, amax in enumerate(amaxes):
+            if amax is None:
+                amax = amax_of(xs[i])
+            if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where
+                try:
+                    check_values(c.eff, xs[i], xs[i], c.kernel is None, chosen, amax)
+                except InvalidRequest as exc:
+                    done([i], exc)
+                    queued.remove(i)
+        if len(queued) < len(xs):
+            if not queued:
+                return
+            xs, outs = [xs[i] for i in queued], [outs[i] for i in queued]
+            rows = sum(x.shape[0] for x in xs)
+        devices = worker.labels
+
+        def settle(got: BatchAnswer | BaseException) -> None:
+            if isinstance(got, BaseException):
+                done(queued, got)
+                return
+            ok = queued
+            if got.result.finite is not True:  # unless the device checked: each request's Y on its own
+                ok = []
+                for i, out in zip(queued, outs, strict=True):
+                    try:
+                        check_output(out)
+                        ok.append(i)
+                    except InvalidRequest as exc:
+                        done([i], exc)
+            if ok:
+                done(ok, Answer(None, got.kernel, got.result,  # type: ignore[arg-type]
+                                {"requests": got.requests, "rows": got.rows}, got.queue_ms, devices, got.x_amax))
+
+        worker.scheduler.enqueue_parts(key, job, xs, rows, c.kernel, outs, settle)
+
     def _admit(self, workers: list[Worker]) -> None:
         """A bounded queue: past it, latency would grow without bound; the client retries instead."""
         for w in workers:

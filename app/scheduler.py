@@ -40,10 +40,10 @@ log = logging.getLogger("qgemm")
 class BatchAnswer:
     """What one chunk got back from the batch it ran in."""
 
-    output: np.ndarray
+    output: np.ndarray | None  # its rows of Y (None for a chunk of several parts: they are in its `outs`)
     kernel: Kernel  # the kernel that ran
     result: Result
-    requests: int  # chunks in that batch
+    requests: int  # requests (parts of chunks) in that batch
     rows: int  # rows in that batch
     queue_ms: float
     x_amax: float | None = None  # max|x| of its rows, as the device measured it (None: not measured)
@@ -51,13 +51,15 @@ class BatchAnswer:
 
 @dataclass(slots=True)
 class Chunk:
-    """A request's rows, or a block of them, waiting for the device."""
+    """A request's rows, a block of them, or the requests of one frame for one tensor (a part each), waiting for
+    the device: one entry of a queue, settled once."""
 
-    rows: np.ndarray  # float32 [m, K]
+    parts: list[np.ndarray]  # float32 [m_i, K] each
+    m: int  # rows of all its parts
     context: Any  # what run_batch needs to find the weights (the same for a whole queue)
     kernel: Kernel | None  # None: auto, picked by the batch's M
     settle: Callable[[BatchAnswer | BaseException], None]  # called once, with its answer or the batch's error
-    out: np.ndarray | None = None  # where its rows of Y go (a block of the request's output array), if given
+    outs: list[np.ndarray | None]  # per part, where its rows of Y go (a block of the request's output), if given
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -129,8 +131,8 @@ class Scheduler:
             step = min(step, kernel.max_m)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(0, m, step)]
-        chunks = [Chunk(x[i:i + step], context, kernel, partial(settle_future, f),
-                        None if out is None else out[i:i + step])
+        chunks = [Chunk([x[i:i + step]], min(step, m - i), context, kernel, partial(settle_future, f),
+                        [None if out is None else out[i:i + step]])
                   for i, f in zip(range(0, m, step), futures, strict=True)]
         qkey = (key, kernel.name if kernel is not None else None)
         if not self.busy and len(chunks) == 1 and not self.queues:
@@ -159,7 +161,15 @@ class Scheduler:
         """Queue X [M, K] (M within a batch: no chunks) without awaiting: `settle` gets its BatchAnswer, or the
         error its batch raised, from the loop turn that finishes it.  No coroutine, task or future per request:
         what an engine process's loop does for every request of a frame."""
-        self._queue((key, kernel.name if kernel is not None else None), [Chunk(x, context, kernel, settle, out)])
+        self._queue((key, kernel.name if kernel is not None else None),
+                    [Chunk([x], x.shape[0], context, kernel, settle, [out])])
+
+    def enqueue_parts(self, key: Hashable, context: Any, parts: list[np.ndarray], rows: int, kernel: Kernel | None,
+                      outs: list[np.ndarray], settle: Callable[[BatchAnswer | BaseException], None]) -> None:
+        """Queue several requests' X (`rows` in all, within a batch) as one entry, each part's rows of Y written into
+        its own array of `outs`: `settle` is called once for all of them (one frame's requests for one tensor)."""
+        self._queue((key, kernel.name if kernel is not None else None),
+                    [Chunk(parts, rows, context, kernel, settle, outs)])  # type: ignore[arg-type]
 
     def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
         queue = self.queues.get(qkey)
@@ -183,9 +193,9 @@ class Scheduler:
             limit = self.max_rows
             if taken[0].kernel is not None and taken[0].kernel.max_m is not None:
                 limit = min(limit, taken[0].kernel.max_m)
-            rows = taken[0].rows.shape[0]
-            while self.batching and queue and rows + queue[0].rows.shape[0] <= limit:
-                rows += queue[0].rows.shape[0]
+            rows = taken[0].m
+            while self.batching and queue and rows + queue[0].m <= limit:
+                rows += queue[0].m
                 taken.append(queue.popleft())
             if not queue:
                 del self.queues[qkey]
@@ -214,26 +224,41 @@ class Scheduler:
 
     async def _run(self, batch: list[Chunk], alone: bool = False) -> None:
         started = time.perf_counter()
-        rows = sum(c.rows.shape[0] for c in batch)
+        if len(batch) == 1:
+            parts, outs = batch[0].parts, batch[0].outs
+        else:
+            parts = [p for c in batch for p in c.parts]
+            outs = [o for c in batch for o in c.outs]
+        rows = sum(c.m for c in batch)
         try:
-            kernel, result = await self.run_batch(batch[0].context, batch[0].kernel, [c.rows for c in batch], alone,
-                                                [c.out for c in batch])
+            kernel, result = await self.run_batch(batch[0].context, batch[0].kernel, parts, alone, outs)
         except Exception as exc:
             for c in batch:
                 _call(c.settle, exc)
             return
         if self.observe is not None:
-            self.observe(len(batch), rows)
-        row = 0
-        for i, c in enumerate(batch):
-            m = c.rows.shape[0]
-            if c.out is None:
-                output = result.output[row:row + m]
+            self.observe(len(parts), rows)
+        row = part = 0
+        for c in batch:
+            if len(c.parts) == 1:
+                m, out = c.m, c.outs[0]
+                if out is None:
+                    output = result.output[row:row + m]
+                else:
+                    if result.output is not None:  # the backend did not write the out arrays itself
+                        out[...] = result.output[row:row + m]
+                    output = out
+                x_amax = None if result.x_amax is None else result.x_amax[part]
             else:
-                if result.output is not None:  # the backend did not write the out arrays itself
-                    c.out[...] = result.output[row:row + m]
-                output = c.out
-            x_amax = None if result.x_amax is None else result.x_amax[i]
-            _call(c.settle, BatchAnswer(output, kernel, result, len(batch), rows, (started - c.enqueued) * 1e3, x_amax))
-            row += m
+                output = None
+                if result.output is not None:
+                    at = row
+                    for p, o in zip(c.parts, c.outs, strict=True):
+                        o[...] = result.output[at:at + p.shape[0]]  # type: ignore[index]
+                        at += p.shape[0]
+                x_amax = None if result.x_amax is None else max(result.x_amax[part:part + len(c.parts)],
+                                                                 key=lambda v: v if v == v else math.inf)
+            _call(c.settle, BatchAnswer(output, kernel, result, len(parts), rows, (started - c.enqueued) * 1e3, x_amax))
+            row += c.m
+            part += len(c.parts)
 

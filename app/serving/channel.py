@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from app.serving import contract
-from app.serving.contract import Answer, Failed, Request
+from app.serving.contract import Answer, Done, Failed, Request
 
 log = logging.getLogger("qgemm")
 HEADER = struct.Struct("<I")  # the frame's length
@@ -137,6 +137,11 @@ class Channel:
                     future.set_exception(contract.error_of(answer))
                 else:
                     future.set_result(answer)
+            if type(answer) is Done and answer.more:  # the same answer for the others of its batch
+                for other in answer.more:
+                    future = pending.pop(other, None)
+                    if future is not None and not future.done():
+                        future.set_result(answer)
 
     def _lost(self, end: Framed) -> None:
         if self._end is end:

@@ -102,7 +102,8 @@ class Splits(Message, tag=10):
 
 # -- engine -> front -------------------------------------------------------------------------------------------
 class Done(Message, tag=20):
-    """A Matmul's answer: Y is in the slot; how it was computed."""
+    """A Matmul's answer: Y is in the slot; how it was computed.  One Done answers every request of a frame that
+    ran in the same batch (`more`): the engine makes and encodes one answer per batch, not per request."""
 
     kernel: str = ""
     backend: str = ""
@@ -112,6 +113,7 @@ class Done(Message, tag=20):
     queue_ms: float = 0.0
     devices: list[str] = []
     epoch: int = 0  # the engine's count of changes to its splits: a front that sees a new one asks for them again
+    more: list[int] = []  # the ids of the other requests this answer is the answer of (they ran in the same batch)
 
 
 class Reply(Message, tag=21):

@@ -133,13 +133,73 @@ class EngineServer:
 
     # -- the requests of one read ------------------------------------------------------------------------------
     def on_requests(self, end: Framed, requests: list[contract.Request]) -> None:
+        groups: dict[tuple, tuple[tuple[Model, Checked], list[Matmul]]] | None = None
+        targets = self.targets
         for r in requests:
             if type(r) is Matmul:
-                self.matmul(end, r)
+                key = (r.model, r.version, r.tensor, r.scheme, r.kernel)
+                target = targets.get(key)
+                if target is None or r.own or r.part is not None:
+                    self.matmul(end, r)
+                    continue
+                if groups is None:
+                    groups = {}
+                group = groups.get(key)
+                if group is None:
+                    groups[key] = (target, [r])
+                else:
+                    group[1].append(r)
             elif type(r) is contract.Ping:  # the supervisor's watchdog: answered by the loop turn itself
                 end.send(contract.Reply(r.id, None))
             else:
                 self._spawn(self.control(end, r))
+        if groups is not None:  # a read's requests for one tensor: one entry of the device's queue, one answer
+            for target, rs in groups.values():
+                self._enqueue_group(end, rs, target)
+
+    def _enqueue_group(self, end: Framed, rs: list[Matmul], target: tuple[Model, Checked]) -> None:
+        """Requests for one tensor, in the front's arena, queued as one entry (Engine.enqueue_many) and answered
+        by one Done where they succeed together."""
+        xs, ys, taken = [], [], []
+        segments = self.segments
+        for r in rs:
+            try:
+                buf = segments.take(r.segment, False, end)
+            except Exception as exc:  # a segment that is gone (its front died): only this request fails
+                if end.open:
+                    end.send(contract.failed(r.id, exc))
+                continue
+            try:
+                xs.append(np.ndarray((r.m, r.k), np.float32, buf, r.x))
+                ys.append(np.ndarray((r.m, r.n), np.float32, buf, r.y))
+            except Exception as exc:  # offsets outside the segment: a broken front
+                del xs[len(ys):]
+                self._answer(end, contract.failed(r.id, exc), r)
+                continue
+            taken.append(r)
+        if not taken:
+            return
+        started = time.perf_counter()
+
+        def done(indices: list[int], got: Answer | BaseException) -> None:
+            for i in indices:
+                segments.give(taken[i].segment)
+            if not end.open:
+                return
+            if isinstance(got, BaseException):
+                for i in indices:
+                    end.send(contract.failed(taken[i].id, got))
+                return
+            if got.output is not None and got.output is not ys[indices[0]]:  # a backend's own array: into the slot
+                np.copyto(ys[indices[0]], got.output)
+            result = got.result
+            timing = {**result.timing_ms, "engine": (time.perf_counter() - started) * 1e3}  # the engine's share
+            b = got.batch
+            end.send(contract.Done(taken[indices[0]].id, got.kernel.name, result.backend, result.activation_format,
+                                   timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
+                                   got.devices, self.epoch, [taken[i].id for i in indices[1:]]))
+
+        self.engine.enqueue_many(target[0], target[1], xs, ys, [r.amax for r in taken], done)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
