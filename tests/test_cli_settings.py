@@ -59,9 +59,9 @@ def test_serve_runs_fronts_and_an_engine_or_one_process(monkeypatch: pytest.Monk
     assert kind1 == "supervisor" and settings1.port == 8123 and settings1.fronts is None
     assert kind0 == "uvicorn" and kw0["port"] == 8123 and kw0["loop"] == "uvloop"
     assert issubclass(kw0["http"], HttpToolsProtocol)
-    assert 1 <= supervisor.default_fronts() <= 8
+    assert 1 <= supervisor.default_fronts() <= 16
     cores = os.cpu_count() or 2
-    assert supervisor.default_fronts(2) == max(1, min(16, cores // 2))  # 8 more for each more engine, within the cores
+    assert supervisor.default_fronts(2) == max(1, min(32, cores // 2))  # 16 more for each more engine, within the cores
     monkeypatch.setenv("QGEMM_FRONTS", "-1")
     with pytest.raises(ValueError):
         Settings.from_env()
