@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kernels.cuda.host_memory import MIN_BYTES, PinnedOutputs, size_class
+from kernels.cuda.host_memory import MIN_BYTES, PinnedOutputs, all_finite, size_class
 
 MiB = 1 << 20
 
@@ -23,6 +23,21 @@ class Allocations:
     def __call__(self, size: int) -> bytearray:
         self.sizes.append(size)
         return bytearray(size)
+
+
+@pytest.mark.parametrize("size", [1, 5, 4096 * 6 + 3, (1 << 18) + 1])
+def test_all_finite_finds_a_nan_or_an_infinity_anywhere_and_passes_any_finite_values(
+        size: int, rng: np.random.Generator) -> None:
+    """Values near float32's largest (a sum of them overflows) pass; one NaN, +inf or -inf at any place fails, as
+    np.isfinite says; the array is left as it was."""
+    y = (rng.standard_normal(size) * 3e38).clip(-3.4e38, 3.4e38).astype(np.float32)
+    assert np.isfinite(y).all() and all_finite(y) and all_finite(y.reshape(1, -1))
+    for bad in (np.nan, np.inf, -np.inf):
+        at = int(rng.integers(size))
+        z = y.copy()
+        z[at] = bad
+        assert not all_finite(z), (bad, at)
+    assert all_finite(y) and np.isfinite(y).all()
 
 
 @pytest.mark.parametrize("nbytes", [1, 7, 8, 9, MiB - 1, MiB, MiB + 1, 3 * MiB + 5, 58_720_256, 10**9 + 7])

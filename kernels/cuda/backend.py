@@ -11,7 +11,6 @@ step timed with CUDA events on the worker's stream.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -25,7 +24,7 @@ import numpy as np
 from kernels import reference
 from kernels.backend import Outs, of_version
 from kernels.cuda import graphs as product_graphs
-from kernels.cuda.host_memory import copy_in, is_page_locked
+from kernels.cuda.host_memory import all_finite, copy_in, is_page_locked
 from kernels.cuda.kernels import CudaKernel
 from kernels.cuda.layouts import ACTIVATIONS, ActivationLayout
 from kernels.cuda.modules import SOURCES, Modules
@@ -478,9 +477,8 @@ class CudaBackend:
         timing = {"weights": pending.weights_ms, "upload": t[0], "quantize": t[1], "gemm": t[2], "download": t[3],
                   "total": pending.weights_ms + sum(t)}
         finite = None if pending.finite_h is None else bool(pending.finite_h[0])
-        if finite is None and pending.y_h is not None and math.isfinite(float(pending.y_h.sum())):
-            finite = True  # one sum for the batch: a NaN or infinity anywhere would show (a finite sum may overflow
-            # for large finite values: then each request's rows are checked, as without it)
+        if finite is None and pending.y_h is not None and all_finite(pending.y_h):
+            finite = True  # one pass for the batch: else each request's rows are checked, as without it
         x_amax = None
         if pending.amax_h is not None:
             ends = np.cumsum(pending.part_rows)
