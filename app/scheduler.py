@@ -108,7 +108,7 @@ class Scheduler:
         self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
         self.observe = observe
         self.queues: OrderedDict[Hashable, deque[Chunk]] = OrderedDict()
-        self.waiting = 0  # chunks in the queues (asked at every admission: kept, not summed)
+        self.waiting = 0  # requests (parts of chunks) in the queues (asked at every admission: kept, not summed)
         self.busy = False
 
     @property
@@ -176,7 +176,7 @@ class Scheduler:
         if queue is None:
             queue = self.queues[qkey] = deque()
         queue.extend(chunks)
-        self.waiting += len(chunks)
+        self.waiting += sum(len(c.parts) for c in chunks)
         if not self.busy:
             self.busy = True
             asyncio.get_running_loop().create_task(self._pump())
@@ -199,7 +199,7 @@ class Scheduler:
                 taken.append(queue.popleft())
             if not queue:
                 del self.queues[qkey]
-            self.waiting -= len(taken)
+            self.waiting -= sum(len(c.parts) for c in taken)
             return taken
         return None
 

@@ -258,3 +258,25 @@ def test_each_request_gets_the_max_of_its_own_rows_that_the_device_measured() ->
 
     amaxes = [a.x_amax for a in run(main())]
     assert amaxes[:2] == [1.0, 5.0] and np.isnan(amaxes[2]) and amaxes[3] == 3.0
+
+
+def test_the_queue_depth_counts_requests_not_entries() -> None:
+    """An entry of several requests counts each toward the depth admission bounds (QGEMM_MAX_QUEUE), and the depth
+    falls back to 0 once they ran."""
+    dev = FakeDevice()
+    sched = Scheduler(dev, max_rows=64, wait_us=100)
+
+    async def main() -> tuple[int, int]:
+        hold = asyncio.create_task(sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)
+        done: list[object] = []
+        parts = [np.ones((1, 4), np.float32) for _ in range(5)]
+        outs = [np.empty((1, 1), np.float32) for _ in range(5)]
+        sched.enqueue_parts("t", "A", parts, 5, None, outs, done.append)
+        waiting = sched.depth()
+        await hold
+        while not done:
+            await asyncio.sleep(0.001)
+        return waiting, sched.depth()
+
+    assert run(main()) == (5, 0)
