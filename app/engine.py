@@ -278,16 +278,17 @@ class Engine:
         except Overloaded as exc:
             done(list(range(len(xs))), exc)
             return
-        queued = list(range(len(xs)))
+        queued = []
         for i, amax in enumerate(amaxes):
-            if amax is None:
-                amax = amax_of(xs[i])
-            if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where
-                try:
+            try:
+                if amax is None:
+                    amax = amax_of(xs[i])
+                if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where
                     check_values(c.eff, xs[i], xs[i], c.kernel is None, chosen, amax)
-                except InvalidRequest as exc:
-                    done([i], exc)
-                    queued.remove(i)
+            except Exception as exc:  # this request's error alone
+                done([i], exc)
+                continue
+            queued.append(i)
         if len(queued) < len(xs):
             if not queued:
                 return
