@@ -4,9 +4,10 @@ the batching scheduler and the kernels, and answers the front processes over a U
 
 A front writes a request's X into its shared-memory arena (app/serving/arenas.py) and names the slot; the engine
 attaches to that arena once (on a GPU: registered as page-locked memory), multiplies X in place and writes Y into
-the same slot.  The work is done per frame, not per request: every Matmul a read brings is queued at once with the
-device's scheduler (Engine.enqueue: no coroutine, task or future of its own), a batch runs as one product, and the
-answers of a loop turn leave as one frame per front.  A request the front checked (app/checks.py) is not checked
+the same slot.  The work is done per read, not per request: the Matmuls a read brings for one tensor are queued as
+one entry of the device's scheduler (Engine.enqueue_many: no coroutine, task or future of their own), a batch runs
+as one product, those that succeed together are answered by one Done naming them all, and the answers of a loop turn
+leave as one frame per front.  A request the front checked (app/checks.py) is not checked
 again: the engine multiplies the file version the front saw (its own store re-reads a file whose version is new
 to it, and answers FileChanged where the front's is gone).
 """
