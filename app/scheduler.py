@@ -85,6 +85,11 @@ def settle_future(future: asyncio.Future, outcome: Any) -> None:
         future.set_result(outcome)
 
 
+def largest(amaxes: list[float]) -> float:
+    """The largest of several max|x|, a NaN winning (it stands for a NaN in X)."""
+    return max(amaxes, key=lambda v: v if v == v else math.inf)
+
+
 def _call(settle: Callable[[Any], None], outcome: Any) -> None:
     """One request's settle: its fault is its own, never the other requests' of the batch."""
     try:
@@ -152,7 +157,7 @@ class Scheduler:
         if len(answers) > 1:
             batch["chunks"] = len(answers)
         amaxes = [a.x_amax for a in answers]
-        x_amax = None if None in amaxes else max(amaxes, key=lambda v: v if v == v else math.inf)  # NaN wins
+        x_amax = None if None in amaxes else largest(amaxes)
         return Answer(out, answers[-1].kernel, answers[-1].result, batch, max(a.queue_ms for a in answers),
                       x_amax=x_amax)
 
@@ -256,8 +261,7 @@ class Scheduler:
                     for p, o in zip(c.parts, c.outs, strict=True):
                         o[...] = result.output[at:at + p.shape[0]]  # type: ignore[index]
                         at += p.shape[0]
-                x_amax = None if result.x_amax is None else max(result.x_amax[part:part + len(c.parts)],
-                                                                 key=lambda v: v if v == v else math.inf)
+                x_amax = None if result.x_amax is None else largest(result.x_amax[part:part + len(c.parts)])
             _call(c.settle, BatchAnswer(output, kernel, result, len(parts), rows, (started - c.enqueued) * 1e3, x_amax))
             row += c.m
             part += len(c.parts)
