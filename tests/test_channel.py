@@ -303,6 +303,7 @@ def test_a_body_read_into_the_arena_is_given_back_after_its_request_and_its_prod
         assert arena._free != whole
         service._let_go_body(offset)  # then the product
         assert arena._free == whole and not service._bodies
+        del x  # no view of the arena left: it closes whole
         view.release()
     finally:
         arena.close()
