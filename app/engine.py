@@ -204,14 +204,13 @@ class Engine:
 
         task.add_done_callback(finished)
 
-    def _enqueue_small(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
-                       done: Callable[[Answer | BaseException], None], amax: float | None = None) -> bool:
-        """The common case queued at once: float32 X small enough to check on the host, one device.  False: not it.
-        `amax`: max|X| where the caller measured it already (a front process, as it wrote X)."""
-        m = x.shape[0]
-        if (x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous
-                or m > self.settings.batch_max_rows):
-            return False
+    def _small(self, x: np.ndarray) -> bool:
+        """X of the common case: float32, contiguous, few enough values to check on the host, within one batch."""
+        return (x.size <= INLINE_VALUES and x.dtype == np.float32 and x.flags.c_contiguous
+                and x.shape[0] <= self.settings.batch_max_rows)
+
+    def _job_of(self, model: Model, c: Checked) -> tuple[tuple, Job, dict[int, Kernel]]:
+        """A checked request's queue key, Job and auto's kernels by M, made once per Checked."""
         hit = self._jobs.get(id(c))
         if hit is None or hit[0] is not c or hit[2].model is not model:
             hit = (c, (model.version_key, c.info.name, c.scheme.tag if c.scheme else ""),
@@ -219,17 +218,35 @@ class Engine:
             if len(self._jobs) >= JOBS_KEPT:
                 self._jobs.clear()
             self._jobs[id(c)] = hit
-        _, key, job, picks = hit
+        return hit[1], hit[2], hit[3]
+
+    def _kernel_for(self, c: Checked, picks: dict[int, Kernel], m: int) -> Kernel:
         chosen = c.kernel or picks.get(m)
         if chosen is None:
             chosen = picks[m] = self.choose("auto", c.eff, m)
+        return chosen
+
+    @staticmethod
+    def _check_small(c: Checked, x: np.ndarray, chosen: Kernel, amax: float | None) -> None:
+        """X's values, from max|X| (`amax` where the caller measured it already: a front process, as it wrote X);
+        out of Q8_1's range (or not finite): what and where, if it matters here."""
+        if amax is None:
+            amax = amax_of(x)
+        if not q8_1_in_range(amax):
+            check_values(c.eff, x, x, c.kernel is None, chosen, amax)
+
+    def _enqueue_small(self, model: Model, c: Checked, x: np.ndarray, out: np.ndarray | None,
+                       done: Callable[[Answer | BaseException], None], amax: float | None = None) -> bool:
+        """The common case queued at once: float32 X small enough to check on the host, one device.  False: not it."""
+        if not self._small(x):
+            return False
+        m = x.shape[0]
+        key, job, picks = self._job_of(model, c)
+        chosen = self._kernel_for(c, picks, m)
         pool = self.pools[chosen.backend]
         if len(pool) != 1:
             return False
-        if amax is None:
-            amax = amax_of(x)
-        if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where, if it matters here
-            check_values(c.eff, x, x, c.kernel is None, chosen, amax)
+        self._check_small(c, x, chosen, amax)
         worker = pool[0]
         self._admit([worker])
         if out is None and chosen.backend == "cuda" and self.outputs:
@@ -260,16 +277,11 @@ class Engine:
         Y is in `outs`) or their error; it is called once for all that succeed, and once per group that fails.
         Where the common case does not hold (large X, several devices), each goes through `enqueue`."""
         rows = sum(x.shape[0] for x in xs)
-        hit = self._jobs.get(id(c))
-        pool = None
-        if hit is not None and hit[0] is c and hit[2].model is model:
-            _, key, job, picks = hit
-            chosen = c.kernel or picks.get(xs[0].shape[0])
-            if chosen is not None and len(self.pools[chosen.backend]) == 1:
-                pool = self.pools[chosen.backend]
-        if (pool is None or rows > self.settings.batch_max_rows
-                or any(x.size > INLINE_VALUES or x.dtype != np.float32 or not x.flags.c_contiguous for x in xs)):
-            for i, (x, out, amax) in enumerate(zip(xs, outs, amaxes, strict=True)):  # one at a time (it fills _jobs)
+        key, job, picks = self._job_of(model, c)
+        chosen = self._kernel_for(c, picks, xs[0].shape[0])
+        pool = self.pools[chosen.backend]
+        if len(pool) != 1 or rows > self.settings.batch_max_rows or not all(self._small(x) for x in xs):
+            for i, (x, out, amax) in enumerate(zip(xs, outs, amaxes, strict=True)):
                 self.enqueue(model, c, x, out, lambda got, i=i: done([i], got), amax)
             return
         worker = pool[0]
@@ -281,10 +293,7 @@ class Engine:
         queued = []
         for i, amax in enumerate(amaxes):
             try:
-                if amax is None:
-                    amax = amax_of(xs[i])
-                if not q8_1_in_range(amax):  # out of Q8_1's range (or not finite): what and where
-                    check_values(c.eff, xs[i], xs[i], c.kernel is None, chosen, amax)
+                self._check_small(c, xs[i], chosen, amax)
             except Exception as exc:  # this request's error alone
                 done([i], exc)
                 continue
