@@ -270,12 +270,15 @@ class Engine:
         return True
 
     def enqueue_many(self, model: Model, c: Checked, xs: list[np.ndarray], outs: list[np.ndarray],
-                     amaxes: list[float | None], done: Callable[[list[int], Answer | BaseException], None]) -> None:
+                     amaxes: list[float | None], done: Callable[[list[int], Answer | BaseException], None],
+                     rows_at: list[tuple[list[int], list[int]]] | None = None) -> None:
         """Several checked requests for one tensor (one frame's, from a front process) queued as one entry of the
         device's queue: their X rows run in the same batch, each request's Y written into its own array of `outs`.
         `done(indices, outcome)` is called with the requests' indices in `xs` and their Answer (its output None:
         Y is in `outs`) or their error; it is called once for all that succeed, and once per group that fails.
-        Where the common case does not hold (large X, several devices), each goes through `enqueue`."""
+        Where the common case does not hold (large X, several devices), each goes through `enqueue`.  `rows_at`:
+        per request, its X rows' and Y rows' addresses where X and Y lie in page-locked memory (a GPU then reads
+        and writes them there)."""
         rows = sum(x.shape[0] for x in xs)
         key, job, picks = self._job_of(model, c)
         chosen = self._kernel_for(c, picks, xs[0].shape[0])
@@ -302,7 +305,11 @@ class Engine:
             if not queued:
                 return
             xs, outs = [xs[i] for i in queued], [outs[i] for i in queued]
+            rows_at = None if rows_at is None else [rows_at[i] for i in queued]
             rows = sum(x.shape[0] for x in xs)
+        batch_at = None
+        if rows_at is not None:
+            batch_at = ([a for at in rows_at for a in at[0]], [a for at in rows_at for a in at[1]])
         devices = worker.labels
 
         def settle(got: BatchAnswer | BaseException) -> None:
@@ -322,7 +329,7 @@ class Engine:
                 done(ok, Answer(None, got.kernel, got.result,  # type: ignore[arg-type]
                                 {"requests": got.requests, "rows": got.rows}, got.queue_ms, devices, got.x_amax))
 
-        worker.scheduler.enqueue_parts(key, job, xs, rows, c.kernel, outs, settle)
+        worker.scheduler.enqueue_parts(key, job, xs, rows, c.kernel, outs, settle, batch_at)
 
     def _admit(self, workers: list[Worker]) -> None:
         """A bounded queue: past it, latency would grow without bound; the client retries instead."""
@@ -403,7 +410,8 @@ class Engine:
                       [pool[p.device].label for p in replica], x_amax)
 
     async def _run_batch(self, worker: Worker, job: Job, spec: Kernel | None, parts: list[np.ndarray],
-                         alone: bool = False, outs: list[np.ndarray | None] | None = None) -> tuple[Kernel, Result]:
+                         alone: bool = False, outs: list[np.ndarray | None] | None = None,
+                         rows_at: tuple[list[int], list[int]] | None = None) -> tuple[Kernel, Result]:
         """One product of stacked rows on `worker`'s device: up to LOOP_ROWS rows on resident weights launched from the
         event loop itself and polled, larger ones on the device's thread (the loop takes in requests meanwhile).
         `alone` (nothing else waits) is the scheduler's to say; every small batch takes the loop's path."""
@@ -415,7 +423,7 @@ class Engine:
             worker = self.pools[spec.backend][0]
         worker.products += 1
         if rows <= LOOP_ROWS:
-            inflight = worker.backend.launch_inline(spec, w, parts, outs)
+            inflight = worker.backend.launch_inline(spec, w, parts, outs, rows_at)
             if inflight is not None:
                 return spec, await self._poll(inflight)
         return spec, await asyncio.wrap_future(worker.backend.submit(spec, w, parts, outs))

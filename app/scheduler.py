@@ -60,6 +60,7 @@ class Chunk:
     kernel: Kernel | None  # None: auto, picked by the batch's M
     settle: Callable[[BatchAnswer | BaseException], None]  # called once, with its answer or the batch's error
     outs: list[np.ndarray | None]  # per part, where its rows of Y go (a block of the request's output), if given
+    rows_at: tuple[list[int], list[int]] | None = None  # its X and Y rows' addresses in page-locked memory, if there
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -98,17 +99,18 @@ def _call(settle: Callable[[Any], None], outcome: Any) -> None:
         log.exception("settling a product's answer failed")
 
 
-RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None]],
-                   Awaitable[tuple[Kernel, Result]]]
+RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None],
+                    tuple[list[int], list[int]] | None], Awaitable[tuple[Kernel, Result]]]
 
 
 class Scheduler:
     def __init__(self, run_batch: RunBatch, max_rows: int, wait_us: int,
                  observe: Callable[[int, int], None] | None = None):
-        """`run_batch(context, kernel, parts, alone, outs)` runs the product of the stacked parts on the device
-        and returns (the kernel that ran, its Result); `alone`: nothing else waits (the backend may then take
+        """`run_batch(context, kernel, parts, alone, outs, rows_at)` runs the product of the stacked parts on the
+        device and returns (the kernel that ran, its Result); `alone`: nothing else waits (the backend may then take
         its lowest-latency path); `outs`: per part, an array its rows may be written into (None: the
-        Result's output holds them; where it does, they are copied into the part's array);
+        Result's output holds them; where it does, they are copied into the part's array); `rows_at`: the rows'
+        addresses in page-locked memory, where every chunk of the batch gave them;
         `observe(requests, rows)` sees each batch."""
         self.run_batch, self.max_rows, self.wait_s = run_batch, max_rows, wait_us / 1e6
         self.observe = observe
@@ -170,11 +172,14 @@ class Scheduler:
                     [Chunk([x], x.shape[0], context, kernel, settle, [out])])
 
     def enqueue_parts(self, key: Hashable, context: Any, parts: list[np.ndarray], rows: int, kernel: Kernel | None,
-                      outs: list[np.ndarray], settle: Callable[[BatchAnswer | BaseException], None]) -> None:
+                      outs: list[np.ndarray], settle: Callable[[BatchAnswer | BaseException], None],
+                      rows_at: tuple[list[int], list[int]] | None = None) -> None:
         """Queue several requests' X (`rows` in all, within a batch) as one entry, each part's rows of Y written into
-        its own array of `outs`: `settle` is called once for all of them (one frame's requests for one tensor)."""
+        its own array of `outs`: `settle` is called once for all of them (one frame's requests for one tensor).
+        `rows_at`: the addresses of their X rows and Y rows where all lie in page-locked memory (kernels/backend.py's
+        RowAddresses)."""
         self._queue((key, kernel.name if kernel is not None else None),
-                    [Chunk(parts, rows, context, kernel, settle, outs)])  # type: ignore[arg-type]
+                    [Chunk(parts, rows, context, kernel, settle, outs, rows_at)])  # type: ignore[arg-type]
 
     def _queue(self, qkey: Hashable, chunks: list[Chunk]) -> None:
         queue = self.queues.get(qkey)
@@ -230,13 +235,17 @@ class Scheduler:
     async def _run(self, batch: list[Chunk], alone: bool = False) -> None:
         started = time.perf_counter()
         if len(batch) == 1:
-            parts, outs = batch[0].parts, batch[0].outs
+            parts, outs, rows_at = batch[0].parts, batch[0].outs, batch[0].rows_at
         else:
             parts = [p for c in batch for p in c.parts]
             outs = [o for c in batch for o in c.outs]
+            rows_at = None
+            if all(c.rows_at is not None for c in batch):
+                rows_at = ([a for c in batch for a in c.rows_at[0]],  # type: ignore[index]
+                           [a for c in batch for a in c.rows_at[1]])  # type: ignore[index]
         rows = sum(c.m for c in batch)
         try:
-            kernel, result = await self.run_batch(batch[0].context, batch[0].kernel, parts, alone, outs)
+            kernel, result = await self.run_batch(batch[0].context, batch[0].kernel, parts, alone, outs, rows_at)
         except Exception as exc:
             for c in batch:
                 _call(c.settle, exc)

@@ -26,6 +26,10 @@ def of_version(version: Hashable) -> Callable[[Hashable], bool]:
 
 
 Outs = list[np.ndarray | None] | None  # per part of a product: the array its rows of Y go into (None: in Result)
+# A batch's row addresses where every part of X and every output array lies in page-locked host memory the device
+# addresses directly (a front's arena, registered by the engine): each X row's, then each Y row's, in order.  A GPU
+# may then read and write the rows where they are; every backend may ignore them.
+RowAddresses = tuple[list[int], list[int]] | None
 
 
 class InFlight(Protocol):
@@ -68,8 +72,8 @@ class Backend(Protocol):
         rows of Y may be written into its array (then the Result's output is None)."""
         ...
 
-    def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None
-                      ) -> InFlight | None:
+    def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None,
+                      rows: RowAddresses = None) -> InFlight | None:
         """The product enqueued from the calling thread where that is cheap (weights resident); None: submit it."""
         ...
 

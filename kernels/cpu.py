@@ -218,7 +218,7 @@ class CpuBackend:
         return self._thread.submit(self.run, kernel, w, x)
 
     def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray],
-                      outs: list[np.ndarray | None] | None = None) -> None:
+                      outs: list[np.ndarray | None] | None = None, rows: Any = None) -> None:
         """A numpy product is never cheap enough to run on the caller's thread."""
         return None
 

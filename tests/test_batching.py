@@ -23,7 +23,7 @@ class FakeDevice:
     def __init__(self, seconds: float = 0.01):
         self.seconds, self.batches = seconds, []
 
-    async def __call__(self, context, spec, parts, alone=False, outs=None):
+    async def __call__(self, context, spec, parts, alone=False, outs=None, rows_at=None):
         self.batches.append((context, [p.shape[0] for p in parts]))
         await asyncio.sleep(self.seconds)
         x = np.concatenate(parts)
@@ -117,7 +117,7 @@ def test_queues_of_different_tensors_take_turns() -> None:
 
 
 def test_an_error_reaches_every_request_of_its_batch() -> None:
-    async def failing(context, spec, parts, alone=False, outs=None):
+    async def failing(context, spec, parts, alone=False, outs=None, rows_at=None):
         await asyncio.sleep(0.005)
         raise RuntimeError("device fell over")
 
@@ -133,7 +133,7 @@ def test_an_error_reaches_every_request_of_its_batch() -> None:
 class WritingDevice(FakeDevice):
     """A device that writes each part's rows into its output array itself (the CUDA backend's pinned path)."""
 
-    async def __call__(self, context, spec, parts, alone=False, outs=None):
+    async def __call__(self, context, spec, parts, alone=False, outs=None, rows_at=None):
         spec, result = await super().__call__(context, spec, parts, alone)
         if outs is None or any(o is None for o in outs):
             return spec, result
@@ -242,7 +242,7 @@ def test_each_request_gets_the_max_of_its_own_rows_that_the_device_measured() ->
     """Result.x_amax holds one max|x| per part of a batch; each request gets its parts' (a NaN wins), so that the
     engine can check a request's values after its product without a pass over X on the host."""
 
-    async def measuring(context, spec, parts, alone=False, outs=None):
+    async def measuring(context, spec, parts, alone=False, outs=None, rows_at=None):
         await asyncio.sleep(0.01)
         x = np.concatenate(parts)
         with np.errstate(invalid="ignore"):
@@ -280,3 +280,45 @@ def test_the_queue_depth_counts_requests_not_entries() -> None:
         return waiting, sched.depth()
 
     assert run(main()) == (5, 0)
+
+
+def test_entries_of_several_parts_batch_together_and_pass_their_rows_addresses_on() -> None:
+    """Entries of several parts (a read's requests, Scheduler.enqueue_parts) run in one batch with a request of
+    one part; each part's rows land in its own output array; the rows' addresses reach the device only where
+    every entry of the batch gave them, in the order of the stacked rows."""
+    seen: list[object] = []
+
+    class Recording(FakeDevice):
+        async def __call__(self, context, spec, parts, alone=False, outs=None, rows_at=None):
+            seen.append(rows_at)
+            return await super().__call__(context, spec, parts, alone, outs, rows_at)
+
+    dev = Recording()
+    sched = Scheduler(dev, max_rows=64, wait_us=100)
+
+    async def main(with_lone: bool) -> list[object]:
+        got: list[object] = []
+        hold = asyncio.create_task(sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC))
+        await asyncio.sleep(0)  # the device is busy with it: the entries below queue and batch
+        parts = [np.full((m, 4), m, np.float32) for m in (1, 2)]
+        outs = [np.full((m, 1), np.nan, np.float32) for m in (1, 2)]
+        sched.enqueue_parts("t", "A", parts, 3, None, outs, got.append, ([10], [20, 21]))
+        more = [np.full((1, 4), 5, np.float32)]
+        more_out = [np.full((1, 1), np.nan, np.float32)]
+        sched.enqueue_parts("t", "A", more, 1, None, more_out, got.append, ([30], [40]))
+        lone = asyncio.create_task(sched.submit("t", "A", np.ones((1, 4), np.float32), None, lambda r: SPEC)) \
+            if with_lone else None
+        await hold
+        if lone is not None:
+            await lone
+        while len(got) < 2:
+            await asyncio.sleep(0.001)
+        assert np.concatenate(outs + more_out)[:, 0].tolist() == [4.0, 8.0, 8.0, 20.0]
+        assert [a.requests for a in got] == [3 + with_lone] * 2  # type: ignore[attr-defined]
+        return got
+
+    run(main(False))
+    assert seen[1] == ([10, 30], [20, 21, 40])  # rows: 1 + 2 of the first entry, then the second's
+    seen.clear()
+    run(main(True))
+    assert seen[1] is None  # a request without addresses in the batch: none are passed

@@ -216,13 +216,81 @@ def test_small_products_replay_a_graph_as_launched(backend, weights_bank, rng: n
                 np.testing.assert_allclose(got.output, want.output, rtol=1e-5, atol=1e-6 * scale,
                                            err_msg=f"{kernel} {type_name} M={m} N={n} K={k} run {run}")
                 assert set(got.timing_ms) == set(want.timing_ms) and got.timing_ms["gemm"] > 0, got.timing_ms
-            key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, m)
+            key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, m, False)
             assert key in backend.graphs.replays or key in backend.graphs.failed, (kernel, type_name, m)
             tried += key in backend.graphs.replays
             print(kernel, type_name, m, "replayed" if key in backend.graphs.replays else "step by step")
             backend.unload(lambda key, wk=w.key: key == wk)
             assert key not in backend.graphs.replays
     assert tried >= 8, f"only {tried} products replayed a graph"
+
+
+def test_a_batch_in_page_locked_memory_is_read_and_written_where_it_lies(backend, weights_bank,
+                                                                         rng: np.random.Generator) -> None:
+    """Requests whose X and Y rows lie in registered host memory (a front's arena) give the replayed graph their
+    rows' addresses (kernels/cuda/rows.cu): from the second run on it gathers X and scatters Y by them, rows at
+    any 4-byte alignment, and each run's Y (poisoned first) equals the product launched step by step on the same
+    X; an output that overflows is reported not finite by the scatter."""
+    import mmap
+    import time
+
+    from kernels.cuda import host_memory
+
+    if backend.row_kernels is None or backend.graphs is None:
+        pytest.skip("no CUDA graphs, or kernels cannot use registered host pointers here")
+    type_name, n, k = "Q4_0", 257, 4096
+    raw = weights_bank[(type_name, n, k)]
+    ms = (1, 2, 1, 3)
+    m = sum(ms)
+    kernels = [name for name in sorted(CUDA_KERNELS) if KERNELS[name].can_run(type_name, m, n, k, backend.cc) is None
+               and backend.kernel_reason(KERNELS[name]) is None]
+    assert kernels
+    size = 1 << 20
+    mem = mmap.mmap(-1, size)
+    region = np.frombuffer(mem, np.uint8)
+    base = region.ctypes.data
+    host_memory.register(base, size)
+    try:
+        for kernel in kernels[:3]:
+            spec = KERNELS[kernel]
+            w = Weights(("rows", kernel), type_name, n, k, lambda: raw)
+            backend.prepare(spec, w)
+            for run in range(4):
+                xs, ys, x_at, y_at, at = [], [], [], [], 4  # the first X and Y rows only 4-byte aligned
+                for rows in ms:
+                    x = np.ndarray((rows, k), np.float32, mem, at)
+                    x[...] = rng.standard_normal((rows, k)) * rng.uniform(0.1, 10)
+                    at += rows * k * 4 + 8
+                    y = np.ndarray((rows, n), np.float32, mem, at)
+                    y[...] = np.nan
+                    x_at += [x.__array_interface__["data"][0] + i * k * 4 for i in range(rows)]
+                    y_at += [y.__array_interface__["data"][0] + i * n * 4 for i in range(rows)]
+                    xs.append(x)
+                    ys.append(y)
+                    at = (at + rows * n * 4 + 255) // 256 * 256
+                huge = run == 3
+                if huge:  # a block's d overflows float16: the product is not finite
+                    xs[1][0, :] = 3e37
+                inflight = backend.launch_inline(spec, w, xs, ys, (x_at, y_at))
+                assert inflight is not None
+                while not inflight.done:
+                    time.sleep(0.0001)
+                got = inflight.result()
+                assert got.output is None  # every row went where its request's Y lies
+                key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, m, True)
+                if run >= 2:
+                    assert key in backend.graphs.replays, (kernel, run)
+                if huge:
+                    assert got.finite is False and not np.isfinite(ys[1]).all(), kernel
+                    continue
+                want = backend.run(spec, w, [x.copy() for x in xs], poison=True)  # step by step, never a graph
+                scale = float(np.abs(want.output).max())
+                np.testing.assert_allclose(np.concatenate(ys), want.output, rtol=1e-5, atol=1e-6 * scale,
+                                           err_msg=f"{kernel} run {run}")
+                assert got.finite is True or run == 0
+            backend.unload(lambda key, wk=w.key: key == wk)
+    finally:
+        host_memory.unregister(base)  # the mapping goes with the last view of it
 
 
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
@@ -728,10 +796,10 @@ def test_batched_requests_get_their_rows_of_the_batch_product(gpu_models_dir: Pa
         scheduler = engine.pools["cuda"][0].scheduler
         run_batch = scheduler.run_batch
 
-        async def recording(context, spec, parts, alone=False, outs=None):
+        async def recording(context, spec, parts, alone=False, outs=None, rows_at=None):
             if alone:  # hold the device a little, so that the others queue behind it and batch
                 await asyncio.sleep(0.05)
-            spec_ran, result = await run_batch(context, spec, parts, alone, outs)  # small outputs: no outs
+            spec_ran, result = await run_batch(context, spec, parts, alone, outs, rows_at)  # small outputs: no outs
             ran.append((spec_ran, [p.copy() for p in parts], result.output.copy()))
             return spec_ran, result
 

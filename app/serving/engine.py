@@ -163,6 +163,8 @@ class EngineServer:
         by one Done where they succeed together."""
         xs, ys, taken = [], [], []
         segments = self.segments
+        # where the arenas are page-locked, each row's address: the GPU then reads X and writes Y where they are
+        rows_at: list[tuple[list[int], list[int]]] | None = [] if segments.pin else None
         for r in rs:
             try:
                 buf = segments.take(r.segment, False, end)
@@ -178,6 +180,15 @@ class EngineServer:
                 self._answer(end, contract.failed(r.id, exc), r)
                 continue
             taken.append(r)
+            if rows_at is not None:
+                base = segments.attached[r.segment][1]
+                if base is None:
+                    rows_at = None
+                elif r.m == 1:
+                    rows_at.append(([base + r.x], [base + r.y]))
+                else:
+                    rows_at.append(([base + r.x + i * r.k * 4 for i in range(r.m)],
+                                    [base + r.y + i * r.n * 4 for i in range(r.m)]))
         if not taken:
             return
         started = time.perf_counter()
@@ -200,7 +211,7 @@ class EngineServer:
                                    timing, (b["requests"], b["rows"], b.get("chunks", 1)), got.queue_ms,
                                    got.devices, self.epoch, [taken[i].id for i in indices[1:]]))
 
-        self.engine.enqueue_many(target[0], target[1], xs, ys, [r.amax for r in taken], done)
+        self.engine.enqueue_many(target[0], target[1], xs, ys, [r.amax for r in taken], done, rows_at)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

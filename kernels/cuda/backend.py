@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 from kernels import reference
-from kernels.backend import Outs, of_version
+from kernels.backend import Outs, RowAddresses, of_version
 from kernels.cuda import graphs as product_graphs
 from kernels.cuda.host_memory import all_finite, copy_in, is_page_locked
 from kernels.cuda.kernels import CudaKernel
@@ -49,6 +49,7 @@ DIRECT_OUT_BYTES = 1 << 20
 DIRECT_IN_BYTES = 1 << 20  # X of this size or more is uploaded from page-locked memory where it is (no staging copy)
 # products of up to this many rows (without the device checks of large X or Y) replay a CUDA graph (graphs.py)
 GRAPH_ROWS = 64
+HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
 _row_amax = cupy.ReductionKernel("float32 v", "float32 y", "isnan(v) ? __int_as_float(2139095040) : fabsf(v)",
@@ -162,6 +163,13 @@ class CudaBackend:
         self.modules = Modules(self.cc, self.sm_count, sources, dependent_launch=settings.dependent_launch)
         for src, err in self.modules.errors.items():
             log.error("CUDA source %s failed to compile: %s", src, err)
+        # a replayed product may read X's rows and write Y's where a caller's page-locked memory holds them (rows.cu):
+        # where kernels can use a registered host pointer as it is, and the source compiled
+        self.row_kernels: tuple[Any, Any] | None = None
+        if self.graphs is not None and "rows.cu" in self.modules.modules and cupy.cuda.runtime.deviceGetAttribute(
+                HOST_POINTER_FOR_REGISTERED_MEM, self.device_id) == 1:
+            self.row_kernels = (self.modules.function("rows.cu", "gather_rows"),
+                                self.modules.function("rows.cu", "scatter_rows"))
         self.resolve_entry_points()
         t0 = time.perf_counter()
         with self.stream:
@@ -204,15 +212,16 @@ class CudaBackend:
             raise RuntimeError("the CUDA backend is closed")
         return self._pool.submit(self.run_here, kernel, w, parts, False, False, outs)
 
-    def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None
-                      ) -> Launched | None:
+    def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], outs: Outs = None,
+                      rows: RowAddresses = None) -> Launched | None:
         """A product on resident weights enqueued from the calling thread (a launch costs microseconds, a thread
         round trip more); None where the weights are not resident or the launch failed (then `submit` it: the
-        worker thread has the out-of-memory retry)."""
+        worker thread has the out-of-memory retry).  `rows`: where X's and Y's rows lie in page-locked memory (a
+        replayed product then reads and writes them there: no host copy)."""
         if not self.resident.has(w.key, w.layout_key(kernel.weights.name)):
             return None
         try:
-            return Launched(self, self.launch(kernel, w, parts, outs=outs))
+            return Launched(self, self.launch(kernel, w, parts, outs=outs, rows=rows))
         except Exception as exc:
             log.debug("launch on the calling thread failed (%s); the worker thread runs it", exc)
             return None
@@ -323,13 +332,14 @@ class CudaBackend:
         return self.finish(pending, keep_q8_1)
 
     def launch(self, spec: Kernel, w: Weights, parts: list[np.ndarray], poison: bool = False,
-               outs: Outs = None) -> Pending:
+               outs: Outs = None, rows: RowAddresses = None) -> Pending:
         """Enqueue a product on the stream (copies in, quantize, GEMM, copy out) and return at once;
         `events[4]` completes with it.  One product at a time: the staging buffers are its own."""
         with self._device:  # a no-op on the worker thread; the event loop's thread may be on another device
-            return self._launch(spec, w, parts, poison, outs)
+            return self._launch(spec, w, parts, poison, outs, rows)
 
-    def _launch(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs) -> Pending:
+    def _launch(self, kernel: Kernel, w: Weights, parts: list[np.ndarray], poison: bool, outs: Outs,
+                rows: RowAddresses = None) -> Pending:
         spec = as_cuda(kernel)
         m, k, n = sum(p.shape[0] for p in parts), parts[0].shape[1], w.n
         filled = [o for o in outs if o is not None] if outs is not None else []  # every part's array, or none
@@ -337,7 +347,8 @@ class CudaBackend:
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
         if (self.graphs is not None and not poison and not direct and m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE
                 and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
-            replayed = self._replay(spec, w, parts, m, k, n, outs if given else None)  # copies X into its own input
+            replayed = self._replay(spec, w, parts, m, k, n, outs if given else None,
+                                    rows if given else None)  # reads X where it is, or copies it into its input
             if replayed is not None:
                 return replayed
         # large parts already in page-locked memory (a front's arena, registered by the engine) are uploaded from
@@ -394,12 +405,15 @@ class CudaBackend:
                        outs if given and not direct else None)
 
     def _replay(self, spec: CudaKernel, w: Weights, parts: list[np.ndarray], m: int, k: int, n: int,
-                outs: Outs) -> Pending | None:
-        """The product from its CUDA graph (captured at its second sight), or None: launch it step by step."""
+                outs: Outs, rows: RowAddresses = None) -> Pending | None:
+        """The product from its CUDA graph (captured at its second sight), or None: launch it step by step.  With
+        `rows` (every row in page-locked memory the device addresses) its graph gathers X's rows and scatters Y's
+        rows where they lie, and checks Y finite as it writes them."""
         graphs = self.graphs
         assert graphs is not None
         layout_key = w.layout_key(spec.weights.name)
-        key = (w.key, layout_key, w.type_name, n, k, spec.name, m)
+        gathered = rows is not None and self.row_kernels is not None and len(rows[0]) == m and len(rows[1]) == m
+        key = (w.key, layout_key, w.type_name, n, k, spec.name, m, gathered)
         if key in graphs.failed:
             return None
         with self.stream:
@@ -408,9 +422,19 @@ class CudaBackend:
         if replay is None:
             if weights_ms or graphs.first_sight(key):
                 return None
-            replay = self._capture(key, spec, w, arrays, m, k, n)
+            replay = self._capture(key, spec, w, arrays, m, k, n, rows if gathered else None)
             if replay is None:
                 return None
+        if replay.table is not None:
+            assert rows is not None and replay.finite is not None
+            table = replay.table
+            table[:m] = rows[0]
+            table[m:] = rows[1]
+            replay.finite[0] = 1
+            replay.graph.launch(self.stream)
+            return Pending(spec, m, k, None, replay.acts, 0.0, spec.activations_for(w.type_name), replay.finite,
+                           part_rows=tuple(p.shape[0] for p in parts))
+        assert replay.x_h is not None
         row = 0
         for p in parts:
             replay.x_h[row:row + p.shape[0]] = p
@@ -420,9 +444,10 @@ class CudaBackend:
                        part_rows=tuple(p.shape[0] for p in parts), outs=outs)
 
     def _capture(self, key: tuple, spec: CudaKernel, w: Weights, arrays: dict, m: int, k: int,
-                 n: int) -> product_graphs.Replay | None:
+                 n: int, rows: RowAddresses = None) -> product_graphs.Replay | None:
         """Capture the product of `key` and check one replay (its events must time it); None where it cannot be
-        captured (that key then always launches step by step)."""
+        captured (that key then always launches step by step).  With `rows`, a graph that gathers and scatters
+        rows by its table, checked on these rows (the replay that follows computes the same)."""
         graphs, mods, ev = self.graphs, self.modules, self.events
         assert graphs is not None
         layout = spec.activations_for(w.type_name)
@@ -436,10 +461,17 @@ class CudaBackend:
         dependent = mods.dependent_launch
         mods.dependent_launch = False  # inside a graph, the kernels follow a copy node: no programmatic edge
         try:
-            graph, x_h, y_h, acts, keep, nbytes = product_graphs.capture(
-                cupy, self.capture_stream, ev, m, k, n, lambda: layout.buffers(m, k), enqueue)
-            x_h[...] = 0
-            graph.launch(self.stream)
+            replay = product_graphs.capture(cupy, self.capture_stream, ev, m, k, n, lambda: layout.buffers(m, k),
+                                            enqueue, self.row_kernels if rows is not None else None)
+            if replay.table is not None:
+                assert rows is not None and replay.finite is not None
+                replay.table[:m] = rows[0]
+                replay.table[m:] = rows[1]
+                replay.finite[0] = 1
+            else:
+                assert replay.x_h is not None
+                replay.x_h[...] = 0
+            replay.graph.launch(self.stream)
             ev[4].synchronize()
             for i in range(4):
                 cupy.cuda.get_elapsed_time(ev[i], ev[i + 1])
@@ -452,8 +484,7 @@ class CudaBackend:
             return None
         finally:
             mods.dependent_launch = dependent
-        replay = product_graphs.Replay(graph, x_h, y_h, acts, arrays, (w.key, w.layout_key(spec.weights.name)),
-                                       nbytes, keep)
+        replay.weights, replay.weight_key = arrays, (w.key, w.layout_key(spec.weights.name))
         graphs.put(key, replay)
         return replay
 

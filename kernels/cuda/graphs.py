@@ -61,13 +61,15 @@ class Replay:
     """A captured product: its graph and the buffers the graph reads and writes."""
 
     graph: Any  # cupy.cuda.Graph
-    x_h: np.ndarray  # pinned [M, K] float32: the rows are copied here before each replay
-    y_h: np.ndarray  # pinned [M, N] float32: the product lands here
+    x_h: np.ndarray | None  # pinned [M, K] float32: the rows are copied here before each replay (None: gathered)
+    y_h: np.ndarray | None  # pinned [M, N] float32: the product lands here (None: scattered)
     acts: Any  # the activation layout's device buffers (keep_q8_1 reads them)
     weights: dict  # the resident arrays it reads (held: compared on each replay)
     weight_key: tuple[Hashable, str]  # (Weights.key, layout key): dropped with them
     nbytes: int
     keep: tuple[Any, ...]  # device and host memory the graph's nodes point at
+    table: np.ndarray | None = None  # pinned uint64 [2M]: the X rows' and Y rows' addresses (a gathered product)
+    finite: np.ndarray | None = None  # pinned int32 [1]: set to 1 before a replay, cleared by a non-finite Y value
 
 
 class ProductGraphs:
@@ -128,26 +130,46 @@ class ProductGraphs:
 
 
 def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, buffers: Callable[[], Any],
-            enqueue: Callable[[Any, Any, Any], Any]) -> tuple[Any, np.ndarray, np.ndarray, Any, tuple[Any, ...], int]:
+            enqueue: Callable[[Any, Any, Any], Any], rows: tuple[Any, Any] | None = None) -> Replay:
     """Capture one product of M rows on `stream` (a stream of its own: nothing else enqueues on it meanwhile):
     `buffers()` makes the activation layout's buffers (before the capture: a graph cannot allocate),
     `enqueue(x_d, bufs, y_d)` the quantize kernel, the record of events[2] and the GEMM (it returns the activations
-    as the GEMM read them); events 0, 1, 3 and 4 are recorded here, as in an ordinary launch.
-    Returns (graph, pinned X, pinned Y, acts, what to keep alive, device bytes)."""
+    as the GEMM read them); events 0, 1, 3 and 4 are recorded here, as in an ordinary launch.  `rows`: the gather
+    and scatter kernels of kernels/cuda/rows.cu: the graph then reads X's rows from, and writes Y's rows to, the
+    addresses its pinned table holds at each replay (and checks Y finite), instead of pinned X and Y of its own.
+    Returns the Replay, less the weights it reads (the caller's to fill in)."""
+    x_d = cupy.empty((m, k), dtype=cupy.float32)
+    y_d = cupy.empty((m, n), dtype=cupy.float32)
+    bufs = buffers()
+    nbytes = int(x_d.nbytes + y_d.nbytes + sum(int(a.nbytes) for a in _arrays(bufs)))
+    rt = cupy.cuda.runtime
+    if rows is not None:
+        gather, scatter = rows
+        table_mem = cupy.cuda.alloc_pinned_memory(2 * m * 8)  # page-locked by the runtime: kernels read it in place
+        finite_mem = cupy.cuda.alloc_pinned_memory(4)
+        table = np.frombuffer(table_mem, np.uint64, 2 * m)
+        finite = np.frombuffer(finite_mem, np.int32, 1)
+        table_at, finite_at = np.uint64(table.ctypes.data), np.uint64(finite.ctypes.data)
+        threads = np.int32(1024 if max(k, n) >= 4096 else 256)
+        with stream:
+            _begin(rt, stream)
+            try:
+                record_in_graph(events[0], stream)
+                gather((m,), (int(threads),), (table_at, x_d, np.int32(k)))
+                record_in_graph(events[1], stream)
+                acts = enqueue(x_d, bufs, y_d)
+                record_in_graph(events[3], stream)
+                scatter((m,), (int(threads),), (y_d, table_at, np.int32(m), np.int32(n), finite_at))
+                record_in_graph(events[4], stream)
+            finally:
+                graph = stream.end_capture()
+        return Replay(graph, None, None, acts, {}, ("", ""), nbytes, (table_mem, finite_mem, x_d, y_d), table, finite)
     x_mem = cupy.cuda.alloc_pinned_memory(max(m * k * 4, 1))
     y_mem = cupy.cuda.alloc_pinned_memory(max(m * n * 4, 1))
     x_h = np.frombuffer(x_mem, np.float32, m * k).reshape(m, k)
     y_h = np.frombuffer(y_mem, np.float32, m * n).reshape(m, n)
-    x_d = cupy.empty((m, k), dtype=cupy.float32)
-    y_d = cupy.empty((m, n), dtype=cupy.float32)
-    bufs = buffers()
-    rt = cupy.cuda.runtime
-    mode = getattr(rt, "streamCaptureModeThreadLocal", None)
     with stream:
-        if mode is None:
-            stream.begin_capture()
-        else:
-            stream.begin_capture(mode)
+        _begin(rt, stream)
         try:
             record_in_graph(events[0], stream)
             # raw copies: CuPy's set() and get() refuse host transfers on a capturing stream (pageable memory
@@ -160,8 +182,15 @@ def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, b
             record_in_graph(events[4], stream)
         finally:
             graph = stream.end_capture()
-    nbytes = int(x_d.nbytes + y_d.nbytes + sum(int(a.nbytes) for a in _arrays(bufs)))
-    return graph, x_h, y_h, acts, (x_mem, y_mem, x_d, y_d), nbytes
+    return Replay(graph, x_h, y_h, acts, {}, ("", ""), nbytes, (x_mem, y_mem, x_d, y_d))
+
+
+def _begin(rt: Any, stream: Any) -> None:
+    mode = getattr(rt, "streamCaptureModeThreadLocal", None)
+    if mode is None:
+        stream.begin_capture()
+    else:
+        stream.begin_capture(mode)
 
 
 def _arrays(acts: Any) -> list[Any]:

@@ -25,6 +25,7 @@ import numpy as np
 
 MIN_BYTES = 1 << 20  # below this the staging copy costs less than the pool's bookkeeping
 PORTABLE = 1  # cudaHostAllocPortable: pinned for every device's context, not only the allocating one
+MAPPED = 2  # cudaHostRegisterMapped: in the devices' address space too (a kernel may read and write it)
 # X is copied into pinned memory in row blocks on several threads from this size (one core copies ~10 GB/s)
 PARALLEL_COPY_BYTES = 4 << 20
 COPY_BLOCKS = 4
@@ -110,11 +111,12 @@ class PinnedOutputs:
 
 
 def register(ptr: int, size: int) -> None:
-    """Page-lock `size` bytes at `ptr` that another process mapped (a front's shared-memory arena), portable:
-    copies between it and any device then run as DMA, without the driver's staging."""
+    """Page-lock `size` bytes at `ptr` that another process mapped (a front's shared-memory arena), portable and
+    mapped: copies between it and any device then run as DMA, without the driver's staging, and kernels may read
+    and write it at `ptr` (kernels/cuda/rows.cu)."""
     import cupy
 
-    cupy.cuda.runtime.hostRegister(ptr, size, PORTABLE)
+    cupy.cuda.runtime.hostRegister(ptr, size, PORTABLE | MAPPED)
 
 
 def unregister(ptr: int) -> None:

@@ -19,7 +19,7 @@ except ImportError:  # a machine without CuPy: the sources are named (the regist
     cupy = None
 
 HERE = Path(__file__).parent
-SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "mmq.cu", "mmq_wgmma.cu", "gemv.cu", "peak.cu", "bnb4.cu")
+SOURCES = ("q8_1.cu", "ladder.cu", "w16.cu", "mmq.cu", "mmq_wgmma.cu", "gemv.cu", "peak.cu", "bnb4.cu", "rows.cu")
 # Compiled with IEEE subnormals.  CuPy's RawModule appends -ftz=true to every compile (and NVRTC takes the
 # last of two -ftz flags), which flushes a block's subnormal scale d = amax/127 to zero; the quantizer
 # must give the reference's d and q there, so it is compiled here with -ftz=false and loaded as a cubin.
