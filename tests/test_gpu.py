@@ -230,67 +230,78 @@ def test_a_batch_in_page_locked_memory_is_read_and_written_where_it_lies(backend
     """Requests whose X and Y rows lie in registered host memory (a front's arena) give the replayed graph their
     rows' addresses (kernels/cuda/rows.cu): from the second run on it gathers X and scatters Y by them, rows at
     any 4-byte alignment, and each run's Y (poisoned first) equals the product launched step by step on the same
-    X; a NaN in X shows as a Y the scatter reports not finite."""
+    X; a NaN in X shows as a Y the scatter reports not finite.  A batch of more than GRAPH_ROWS rows replays a graph
+    of a larger M (the next multiple of GRAPH_ROWS), its extra rows pointed at harmless ones."""
     import mmap
-    import time
 
     from kernels.cuda import host_memory
+    from kernels.cuda.backend import GRAPH_ROWS
+    from kernels.cuda.graphs import bucket
 
     if backend.row_kernels is None or backend.graphs is None:
         pytest.skip("no CUDA graphs, or kernels cannot use registered host pointers here")
     type_name, n, k = "Q4_0", 257, 4096
     raw = weights_bank[(type_name, n, k)]
-    ms = (1, 2, 1, 3)
-    m = sum(ms)
-    kernels = [name for name in sorted(CUDA_KERNELS) if KERNELS[name].can_run(type_name, m, n, k, backend.cc) is None
-               and backend.kernel_reason(KERNELS[name]) is None]
-    assert kernels
-    size = 1 << 20
+    size = 4 << 20
     mem = mmap.mmap(-1, size)
     region = np.frombuffer(mem, np.uint8)
     base = region.ctypes.data
     host_memory.register(base, size)
     try:
-        for kernel in kernels[:3]:
-            spec = KERNELS[kernel]
-            w = Weights(("rows", kernel), type_name, n, k, lambda: raw)
-            backend.prepare(spec, w)
-            for run in range(4):
-                xs, ys, x_at, y_at, at = [], [], [], [], 4  # the first X and Y rows only 4-byte aligned
-                for rows in ms:
-                    x = np.ndarray((rows, k), np.float32, mem, at)
-                    x[...] = rng.standard_normal((rows, k)) * rng.uniform(0.1, 10)
-                    at += rows * k * 4 + 8
-                    y = np.ndarray((rows, n), np.float32, mem, at)
-                    y[...] = np.nan
-                    x_at += [x.__array_interface__["data"][0] + i * k * 4 for i in range(rows)]
-                    y_at += [y.__array_interface__["data"][0] + i * n * 4 for i in range(rows)]
-                    xs.append(x)
-                    ys.append(y)
-                    at = (at + rows * n * 4 + 255) // 256 * 256
-                poisoned = run == 3
-                if poisoned:  # a NaN in X: its row of Y is not finite, whatever the kernel (f32 or Q8_1)
-                    xs[1][0, 7] = np.nan
-                inflight = backend.launch_inline(spec, w, xs, ys, (x_at, y_at))
-                assert inflight is not None
-                while not inflight.done:
-                    time.sleep(0.0001)
-                got = inflight.result()
-                assert got.output is None  # every row went where its request's Y lies
-                key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, m, True)
-                if run >= 2:
-                    assert key in backend.graphs.replays, (kernel, run)
-                if poisoned:
-                    assert got.finite is False and not np.isfinite(ys[1]).all(), kernel
-                    continue
-                want = backend.run(spec, w, [x.copy() for x in xs], poison=True)  # step by step, never a graph
-                scale = float(np.abs(want.output).max())
-                np.testing.assert_allclose(np.concatenate(ys), want.output, rtol=1e-5, atol=1e-6 * scale,
-                                           err_msg=f"{kernel} run {run}")
-                assert got.finite is True or run == 0
-            backend.unload(lambda key, wk=w.key: key == wk)
+        for ms in ((1, 2, 1, 3), (40, 1, 30)):
+            _gathered_batches(backend, raw, mem, ms, (type_name, n, k), rng, bucket(sum(ms), GRAPH_ROWS))
     finally:
         host_memory.unregister(base)  # the mapping goes with the last view of it
+
+
+def _gathered_batches(backend, raw: bytes, mem, ms: tuple[int, ...], tensor: tuple[str, int, int],
+                      rng: np.random.Generator, graph_m: int) -> None:
+    """The page-locked test's batch of requests of `ms` rows, run four times on each of three kernels."""
+    import time
+
+    type_name, n, k = tensor
+    m = sum(ms)
+    kernels = [name for name in sorted(CUDA_KERNELS) if KERNELS[name].can_run(type_name, m, n, k, backend.cc) is None
+               and backend.kernel_reason(KERNELS[name]) is None]
+    assert kernels
+    for kernel in kernels[:3]:
+        spec = KERNELS[kernel]
+        w = Weights(("rows", kernel), type_name, n, k, lambda: raw)
+        backend.prepare(spec, w)
+        for run in range(4):
+            xs, ys, x_at, y_at, at = [], [], [], [], 4  # the first X and Y rows only 4-byte aligned
+            for rows in ms:
+                x = np.ndarray((rows, k), np.float32, mem, at)
+                x[...] = rng.standard_normal((rows, k)) * rng.uniform(0.1, 10)
+                at += rows * k * 4 + 8
+                y = np.ndarray((rows, n), np.float32, mem, at)
+                y[...] = np.nan
+                x_at += [x.__array_interface__["data"][0] + i * k * 4 for i in range(rows)]
+                y_at += [y.__array_interface__["data"][0] + i * n * 4 for i in range(rows)]
+                xs.append(x)
+                ys.append(y)
+                at = (at + rows * n * 4 + 255) // 256 * 256
+            poisoned = run == 3
+            if poisoned:  # a NaN in X: its row of Y is not finite, whatever the kernel (f32 or Q8_1)
+                xs[1][0, 7] = np.nan
+            inflight = backend.launch_inline(spec, w, xs, ys, (x_at, y_at))
+            assert inflight is not None
+            while not inflight.done:
+                time.sleep(0.0001)
+            got = inflight.result()
+            assert got.output is None  # every row went where its request's Y lies
+            key = (w.key, w.layout_key(spec.weights.name), type_name, n, k, spec.name, graph_m, True)
+            if run >= 2 and spec.shape_reason(type_name, graph_m, n, k) is None:
+                assert key in backend.graphs.replays, (kernel, m, run)
+            if poisoned:
+                assert got.finite is False and not np.isfinite(ys[1]).all(), kernel
+                continue
+            want = backend.run(spec, w, [x.copy() for x in xs], poison=True)  # step by step, never a graph
+            scale = float(np.abs(want.output).max())
+            np.testing.assert_allclose(np.concatenate(ys), want.output, rtol=1e-5, atol=1e-6 * scale,
+                                       err_msg=f"{kernel} run {run}")
+            assert got.finite is True or run == 0
+        backend.unload(lambda key, wk=w.key: key == wk)
 
 
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)

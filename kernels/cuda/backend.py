@@ -49,6 +49,11 @@ DIRECT_OUT_BYTES = 1 << 20
 DIRECT_IN_BYTES = 1 << 20  # X of this size or more is uploaded from page-locked memory where it is (no staging copy)
 # products of up to this many rows (without the device checks of large X or Y) replay a CUDA graph (graphs.py)
 GRAPH_ROWS = 64
+# a product whose rows the graph gathers and scatters (rows.cu; its scatter checks Y finite) replays up to this many
+# rows: past GRAPH_ROWS its graph is captured for M rounded up to a multiple of GRAPH_ROWS, the extra rows reading the
+# first X row and writing a spare row, so that a few graphs serve every M of a busy server's batches (M = 65-512
+# launched step by step cost the engine ~40% more CPU a request at 256 clients than M <= 64 replayed)
+GATHERED_GRAPH_ROWS = 512
 HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
 # (2139095040 is infinity's bits; CuPy renames the parameter's name wherever it appears, so no hex literal)
@@ -345,7 +350,9 @@ class CudaBackend:
         filled = [o for o in outs if o is not None] if outs is not None else []  # every part's array, or none
         given = len(filled) == len(parts)
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
-        if (self.graphs is not None and not poison and not direct and m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE
+        gathered = given and rows is not None and self.row_kernels is not None
+        if (self.graphs is not None and not poison and not direct
+                and (m <= GATHERED_GRAPH_ROWS if gathered else m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE)
                 and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
             replayed = self._replay(spec, w, parts, m, k, n, outs if given else None,
                                     rows if given else None)  # reads X where it is, or copies it into its input
@@ -413,7 +420,10 @@ class CudaBackend:
         assert graphs is not None
         layout_key = w.layout_key(spec.weights.name)
         gathered = rows is not None and self.row_kernels is not None and len(rows[0]) == m and len(rows[1]) == m
-        key = (w.key, layout_key, w.type_name, n, k, spec.name, m, gathered)
+        graph_m = product_graphs.bucket(m, GRAPH_ROWS) if gathered else m
+        if graph_m != m and spec.shape_reason(w.type_name, graph_m, n, k) is not None:
+            return None  # (a kernel of a bounded M): step by step
+        key = (w.key, layout_key, w.type_name, n, k, spec.name, graph_m, gathered)
         if key in graphs.failed:
             return None
         with self.stream:
@@ -422,15 +432,12 @@ class CudaBackend:
         if replay is None:
             if weights_ms or graphs.first_sight(key):
                 return None
-            replay = self._capture(key, spec, w, arrays, m, k, n, rows if gathered else None)
+            replay = self._capture(key, spec, w, arrays, graph_m, k, n, rows if gathered else None)
             if replay is None:
                 return None
         if replay.table is not None:
-            assert rows is not None and replay.finite is not None
-            table = replay.table
-            table[:m] = rows[0]
-            table[m:] = rows[1]
-            replay.finite[0] = 1
+            assert rows is not None
+            replay.aim(rows)
             replay.graph.launch(self.stream)
             return Pending(spec, m, k, None, replay.acts, 0.0, spec.activations_for(w.type_name), replay.finite,
                            part_rows=tuple(p.shape[0] for p in parts))
@@ -445,9 +452,10 @@ class CudaBackend:
 
     def _capture(self, key: tuple, spec: CudaKernel, w: Weights, arrays: dict, m: int, k: int,
                  n: int, rows: RowAddresses = None) -> product_graphs.Replay | None:
-        """Capture the product of `key` and check one replay (its events must time it); None where it cannot be
-        captured (that key then always launches step by step).  With `rows`, a graph that gathers and scatters
-        rows by its table, checked on these rows (the replay that follows computes the same)."""
+        """Capture the product of `key` (M = `m` rows) and check one replay (its events must time it); None where it
+        cannot be captured (that key then always launches step by step).  With `rows` (as many or fewer than M), a
+        graph that gathers and scatters rows by its table, checked on these rows (the replay that follows computes
+        the same)."""
         graphs, mods, ev = self.graphs, self.modules, self.events
         assert graphs is not None
         layout = spec.activations_for(w.type_name)
@@ -464,10 +472,8 @@ class CudaBackend:
             replay = product_graphs.capture(cupy, self.capture_stream, ev, m, k, n, lambda: layout.buffers(m, k),
                                             enqueue, self.row_kernels if rows is not None else None)
             if replay.table is not None:
-                assert rows is not None and replay.finite is not None
-                replay.table[:m] = rows[0]
-                replay.table[m:] = rows[1]
-                replay.finite[0] = 1
+                assert rows is not None
+                replay.aim(rows)
             else:
                 assert replay.x_h is not None
                 replay.x_h[...] = 0

@@ -70,6 +70,20 @@ class Replay:
     keep: tuple[Any, ...]  # device and host memory the graph's nodes point at
     table: np.ndarray | None = None  # pinned uint64 [2M]: the X rows' and Y rows' addresses (a gathered product)
     finite: np.ndarray | None = None  # pinned int32 [1]: set to 1 before a replay, cleared by a non-finite Y value
+    spare: int = 0  # a device row of N floats: where the rows past a batch's own are scattered
+
+    def aim(self, rows: tuple[list[int], list[int]]) -> None:
+        """Point a gathered product at a batch's rows (X's addresses, Y's): rows past the batch's (the graph's M may
+        be larger) read its first X row and write the spare row; the finite flag set again."""
+        assert self.table is not None and self.finite is not None
+        m, g = len(rows[0]), len(self.table) // 2
+        table = self.table
+        table[:m] = rows[0]
+        table[g:g + m] = rows[1]
+        if m < g:
+            table[m:g] = rows[0][0]
+            table[g + m:] = self.spare
+        self.finite[0] = 1
 
 
 class ProductGraphs:
@@ -129,6 +143,12 @@ class ProductGraphs:
             self.nbytes = 0
 
 
+def bucket(m: int, step: int) -> int:
+    """The M a gathered product of `m` rows is captured for: `m` up to `step`, past it the next multiple of `step`
+    (a few graphs for the many M of a busy server's batches; Replay.aim points the extra rows at harmless ones)."""
+    return m if m <= step else -(-m // step) * step
+
+
 def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, buffers: Callable[[], Any],
             enqueue: Callable[[Any, Any, Any], Any], rows: tuple[Any, Any] | None = None) -> Replay:
     """Capture one product of M rows on `stream` (a stream of its own: nothing else enqueues on it meanwhile):
@@ -150,6 +170,7 @@ def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, b
         table = np.frombuffer(table_mem, np.uint64, 2 * m)
         finite = np.frombuffer(finite_mem, np.int32, 1)
         table_at, finite_at = np.uint64(table.ctypes.data), np.uint64(finite.ctypes.data)
+        spare = cupy.empty((n,), dtype=cupy.float32)
         threads = np.int32(1024 if max(k, n) >= 4096 else 256)
         with stream:
             _begin(rt, stream)
@@ -163,7 +184,8 @@ def capture(cupy: Any, stream: Any, events: list[Any], m: int, k: int, n: int, b
                 record_in_graph(events[4], stream)
             finally:
                 graph = stream.end_capture()
-        return Replay(graph, None, None, acts, {}, ("", ""), nbytes, (table_mem, finite_mem, x_d, y_d), table, finite)
+        return Replay(graph, None, None, acts, {}, ("", ""), nbytes + n * 4, (table_mem, finite_mem, x_d, y_d, spare),
+                      table, finite, int(spare.data.ptr))
     x_mem = cupy.cuda.alloc_pinned_memory(max(m * k * 4, 1))
     y_mem = cupy.cuda.alloc_pinned_memory(max(m * n * 4, 1))
     x_h = np.frombuffer(x_mem, np.float32, m * k).reshape(m, k)
