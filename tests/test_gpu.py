@@ -248,7 +248,7 @@ def test_a_batch_in_page_locked_memory_is_read_and_written_where_it_lies(backend
     base = region.ctypes.data
     host_memory.register(base, size)
     try:
-        for ms in ((1, 2, 1, 3), (40, 1, 30)):
+        for ms in ((1, 2, 1, 3), (16, 1, 16, 16, 16, 6)):  # (parts of up to 16 rows: their max|x| the host's)
             _gathered_batches(backend, raw, mem, ms, (type_name, n, k), rng, bucket(sum(ms), GRAPH_ROWS))
     finally:
         host_memory.unregister(base)  # the mapping goes with the last view of it
