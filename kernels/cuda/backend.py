@@ -51,8 +51,8 @@ DIRECT_IN_BYTES = 1 << 20  # X of this size or more is uploaded from page-locked
 GRAPH_ROWS = 64
 # a product whose rows the graph gathers and scatters (rows.cu; its scatter checks Y finite) replays up to this many
 # rows: past GRAPH_ROWS its graph is captured for M rounded up to a multiple of GRAPH_ROWS, the extra rows reading the
-# first X row and writing a spare row, so that a few graphs serve every M of a busy server's batches (M = 65-512
-# launched step by step cost the engine ~40% more CPU a request at 256 clients than M <= 64 replayed)
+# first X row and writing a spare row, so that a few graphs serve every M of a busy server's batches (at 256 clients
+# many batches are over 64 rows, and each launched step by step costs the engine hundreds of µs of Python)
 GATHERED_GRAPH_ROWS = 512
 HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 # max|x| of each row, NaN counted as infinity (numpy twin: np.where(np.isnan(x), np.inf, np.abs(x)).max(axis=1))
