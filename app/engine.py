@@ -37,7 +37,7 @@ from app.scheduler import Answer, BatchAnswer, settle_future
 from app.settings import Settings
 from app.tensors import effective, weight_bytes, weights
 from app.workers import Worker
-from kernels.backend import Backend, InFlight
+from kernels.backend import Backend, InFlight, RowAddresses
 from kernels.devices import open_devices
 from kernels.errors import InvalidRequest, Overloaded
 from kernels.kernel import Kernel
@@ -411,7 +411,7 @@ class Engine:
 
     async def _run_batch(self, worker: Worker, job: Job, spec: Kernel | None, parts: list[np.ndarray],
                          alone: bool = False, outs: list[np.ndarray | None] | None = None,
-                         rows_at: tuple[list[int], list[int]] | None = None) -> tuple[Kernel, Result]:
+                         rows_at: RowAddresses = None) -> tuple[Kernel, Result]:
         """One product of stacked rows on `worker`'s device: up to LOOP_ROWS rows on resident weights launched from the
         event loop itself and polled, larger ones on the device's thread (the loop takes in requests meanwhile).
         `alone` (nothing else waits) is the scheduler's to say; every small batch takes the loop's path."""

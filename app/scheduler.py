@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.backend import RowAddresses
 from kernels.kernel import Kernel
 from kernels.types import Result
 
@@ -60,7 +61,7 @@ class Chunk:
     kernel: Kernel | None  # None: auto, picked by the batch's M
     settle: Callable[[BatchAnswer | BaseException], None]  # called once, with its answer or the batch's error
     outs: list[np.ndarray | None]  # per part, where its rows of Y go (a block of the request's output), if given
-    rows_at: tuple[list[int], list[int]] | None = None  # its X and Y rows' addresses in page-locked memory, if there
+    rows_at: RowAddresses = None  # its X and Y rows' addresses in page-locked memory, if there
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -100,7 +101,7 @@ def _call(settle: Callable[[Any], None], outcome: Any) -> None:
 
 
 RunBatch = Callable[[Any, Kernel | None, list[np.ndarray], bool, list[np.ndarray | None],
-                    tuple[list[int], list[int]] | None], Awaitable[tuple[Kernel, Result]]]
+                    RowAddresses], Awaitable[tuple[Kernel, Result]]]
 
 
 class Scheduler:
@@ -173,7 +174,7 @@ class Scheduler:
 
     def enqueue_parts(self, key: Hashable, context: Any, parts: list[np.ndarray], rows: int, kernel: Kernel | None,
                       outs: list[np.ndarray], settle: Callable[[BatchAnswer | BaseException], None],
-                      rows_at: tuple[list[int], list[int]] | None = None) -> None:
+                      rows_at: RowAddresses = None) -> None:
         """Queue several requests' X (`rows` in all, within a batch) as one entry, each part's rows of Y written into
         its own array of `outs`: `settle` is called once for all of them (one frame's requests for one tensor).
         `rows_at`: the addresses of their X rows and Y rows where all lie in page-locked memory (kernels/backend.py's

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kernels import reference
-from kernels.backend import of_version
+from kernels.backend import RowAddresses, of_version
 from kernels.cache import ByteLRU
 from kernels.formats import QUANT_TYPES, mmq_ds_layout
 from kernels.kernel import Device, Kernel, Layout
@@ -218,7 +218,7 @@ class CpuBackend:
         return self._thread.submit(self.run, kernel, w, x)
 
     def launch_inline(self, kernel: Kernel, w: Weights, parts: list[np.ndarray],
-                      outs: list[np.ndarray | None] | None = None, rows: Any = None) -> None:
+                      outs: list[np.ndarray | None] | None = None, rows: RowAddresses = None) -> None:
         """A numpy product is never cheap enough to run on the caller's thread."""
         return None
 
