@@ -4,6 +4,7 @@ worker processes, and POST /v1/matmul read whole and answered with N float32 val
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import httpx
 import numpy as np
 
 from tests.live import ROOT, free_port, npy
+from tools.loadtest import abba, medians
 
 
 def test_the_ceiling_serves_what_loadtest_asks() -> None:
@@ -36,3 +38,51 @@ def test_the_ceiling_serves_what_loadtest_asks() -> None:
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def _ceiling(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tools", "ceiling", "--port", str(port), "--fronts", "1",
+                             "--n", "33", "--k", "64"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(200):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+            return proc
+        except httpx.HTTPError:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            time.sleep(0.1)
+    raise AssertionError("the ceiling did not start")
+
+
+def test_loadtest_compares_two_servers_in_abba_order(tmp_path) -> None:
+    """`--url A --url B --rounds 2`: each configuration's runs go A, B, B, A; each row names its server; the medians
+    per server are printed at the end."""
+    ports = [free_port(), free_port()]
+    procs = [_ceiling(p) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    out = tmp_path / "rows.json"
+    try:
+        done = subprocess.run([sys.executable, "-m", "tools", "loadtest", "--url", urls[0], "--url", urls[1],
+                               "--rounds", "2", "--seconds", "0.3", "--clients", "2", "--processes", "1",
+                               "--tensor", "t", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        rows = json.loads(out.read_text())
+        assert [r["url"] for r in rows] == [urls[0], urls[1], urls[1], urls[0]]
+        assert all(r["ok"] > 0 and not r["errors"] for r in rows)
+        medians = done.stderr.split("medians:")[1]
+        assert all(f"{u}:" in medians and "(2 runs)" in medians for u in urls)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(20)
+
+
+def test_abba_order_and_medians() -> None:
+    assert abba(["a", "b"], 1) == ["a", "b"]
+    assert abba(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
+    assert abba(["a"], 2) == ["a", "a"]
+    rows = [{"url": u, "m": 1, "clients": 4, "format": "npy", "requests_per_s": v, "p99_ms": p}
+            for u, v, p in (("a", 10.0, 1.0), ("b", 30.0, 3.0), ("b", 20.0, 2.0), ("a", 40.0, 4.0), ("a", 5.0, 9.0))]
+    got = {s["url"]: s for s in medians(rows)}
+    assert got["a"]["requests_per_s"] == 10.0 and got["a"]["p99_ms"] == 4.0 and got["a"]["runs"] == 3
+    assert got["b"]["requests_per_s"] == 25.0 and got["b"]["p99_ms"] == 2.5 and got["b"]["runs"] == 2

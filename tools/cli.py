@@ -34,36 +34,55 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
 
     from tools import loadtest
 
-    url = args.url.rstrip("/")
+    urls = [u.rstrip("/") for u in (args.url or ["http://127.0.0.1:8000"])]
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    r = httpx.get(f"{url}/v1/models/{args.model}/tensors/{args.tensor}", headers=headers, timeout=30)
-    if r.status_code != 200:
-        print(f"error: {r.status_code} {r.text}", file=sys.stderr)
-        return 1
-    backend = httpx.get(f"{url}/healthz", headers=headers, timeout=30).json().get("backend")
+    k, backends = None, {}
+    for url in urls:
+        r = httpx.get(f"{url}/v1/models/{args.model}/tensors/{args.tensor}", headers=headers, timeout=30)
+        if r.status_code != 200:
+            print(f"error: {url}: {r.status_code} {r.text}", file=sys.stderr)
+            return 1
+        if k is not None and r.json()["shape"][1] != k:
+            print(f"error: {url}'s {args.tensor} has K={r.json()['shape'][1]}, the first server's {k}", file=sys.stderr)
+            return 1
+        k = r.json()["shape"][1]
+        backends[url] = httpx.get(f"{url}/healthz", headers=headers, timeout=30).json().get("backend")
+    assert k is not None
     rows = []
     for m in args.m:
         for clients in args.clients:
             for fmt in args.format:
-                plan = loadtest.Plan(url, args.model, args.tensor, r.json()["shape"][1], m, args.kernel, fmt, clients,
-                                     args.seconds, settings.api_key)
-                print(f"M={m} clients={clients} {fmt}:", file=sys.stderr)
-                row = loadtest.run(plan, args.processes)
-                rows.append({**row, "label": args.label} if args.label else row)
-                gpu = f"{row['gpu_share']:.1%}" if backend == "cuda" else "n/a (CPU backend)"
-                print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
-                      f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
-                      f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {gpu}",
-                      file=sys.stderr)
-                if row["cpu_us_per_request"]:
-                    print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
-                                                             in row["cpu_us_per_request"].items()), file=sys.stderr)
+                for url in loadtest.abba(urls, args.rounds):
+                    plan = loadtest.Plan(url, args.model, args.tensor, k, m, args.kernel, fmt, clients, args.seconds,
+                                         settings.api_key)
+                    print(f"M={m} clients={clients} {fmt}" + (f" {url}" if len(urls) > 1 else "") + ":",
+                          file=sys.stderr)
+                    row = loadtest.run(plan, args.processes)
+                    if len(urls) > 1:
+                        row["url"] = url
+                    rows.append({**row, "label": args.label} if args.label else row)
+                    _print_run(row, backends[url])
+    if len(urls) > 1 or args.rounds > 1:
+        print("medians:", file=sys.stderr)
+        for s in loadtest.medians(rows):
+            print(f"  M={s['m']} clients={s['clients']} {s['format']}" + (f" {s['url']}" if s["url"] else "")
+                  + f": {s['requests_per_s']:,.0f} req/s, p99 {s['p99_ms']} ms ({s['runs']} runs)", file=sys.stderr)
     text = json.dumps(rows, indent=1)
     if args.out:
         Path(args.out).write_text(text)
     else:
         print(text)
     return 0
+
+
+def _print_run(row: dict, backend: str | None) -> None:
+    gpu = f"{row['gpu_share']:.1%}" if backend == "cuda" else "n/a (CPU backend)"
+    print(f"  {row['requests_per_s']:,.0f} req/s, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
+          f"max {row['max_ms']} ms, errors {row['errors'] or 0}, server p50 {row['server_request_p50_ms']}"
+          f" ms (overhead {row['server_overhead_p50_ms']} ms), GPU share {gpu}", file=sys.stderr)
+    if row["cpu_us_per_request"]:
+        print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
+                                                 in row["cpu_us_per_request"].items()), file=sys.stderr)
 
 
 def cmd_ceiling(args: argparse.Namespace, settings: Settings) -> int:
@@ -103,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
     side_by_side_arguments(p)
     p = sub.add_parser("loadtest", help="drive a running server with concurrent clients; report throughput, latency")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", action="append", help="the server (default http://127.0.0.1:8000); give it again for "
+                   "each server to compare: each configuration's runs then go to them in ABBA order")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each configuration (on each server); with several "
+                   "servers, forward then backward (2: A B B A); the medians are printed at the end")
     p.add_argument("--model", default="demo")
     p.add_argument("--tensor", default="blk.0.attn_q.weight")
     ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731

@@ -257,6 +257,24 @@ def cpu_by_role(procs: list[tuple[str, int]]) -> dict[str, float] | None:
     return seconds or None
 
 
+def abba(urls: list[str], rounds: int) -> list[str]:
+    """The order the servers at `urls` take a configuration's runs: forward, then backward, `rounds` times (A B B A
+    for two servers and two rounds), so that a drift of the machine over time (two starts of one server's code served
+    17% apart in one session) falls on every server alike instead of on the later one."""
+    return [u for r in range(rounds) for u in (urls if r % 2 == 0 else urls[::-1])]
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server and configuration, the median of its runs' requests/s and p99 (and how many runs)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row.get("url"), row["m"], row["clients"], row["format"]), []).append(row)
+    return [{"url": url, "m": m, "clients": clients, "format": fmt, "runs": len(rs),
+             "requests_per_s": round(float(np.median([r["requests_per_s"] for r in rs])), 1),
+             "p99_ms": round(float(np.median([r["p99_ms"] for r in rs if r["p99_ms"] is not None] or [np.nan])), 3)}
+            for (url, m, clients, fmt), rs in groups.items()]
+
+
 def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict[str, Any]:
     processes = max(1, min(plan.clients, processes or max(1, (os.cpu_count() or 2) // 2)))
     shares = [plan.clients // processes + (i < plan.clients % processes) for i in range(processes)]
