@@ -70,7 +70,7 @@ class Settings(BaseSettings):
                                                    "refused (503 with Retry-After) rather than queued")
     gil_switch_us: int | None = Field(None, gt=0, description="Python's thread switch interval (default 5000)")
     fronts: int | None = Field(None, ge=0, le=64, description="HTTP front processes beside the engine process "
-                                                              "(default: half the cores, 1 to 8 per engine process); "
+                                                              "(default: half the cores, 1 to 16 per engine process); "
                                                               "0: one process serves HTTP and runs the engine")
     engines: Literal["per-device", "one"] = Field("per-device", description="engine processes beside the fronts: one "
                                                    "per device (each GPU of QGEMM_DEVICES, else each CPU device), "

@@ -1,6 +1,6 @@
 """`qgemm serve`'s processes: HTTP fronts and an engine per device, started, watched and restarted here.
 
-The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores, up to 8 per engine)
+The fronts (uvicorn with uvloop and httptools, `QGEMM_FRONTS` of them, by default half the cores, up to 16 per engine)
 each listen on the port (SO_REUSEPORT: the kernel spreads connections over them); each parses and checks requests,
 writes X into its shared-memory arena and asks an engine over a Unix socket.  An engine process owns one device
 (each GPU of QGEMM_DEVICES, or each of QGEMM_CPU_DEVICES; QGEMM_ENGINES=one: one engine for all of them), the
