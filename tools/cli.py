@@ -42,10 +42,11 @@ def cmd_loadtest(args: argparse.Namespace, settings: Settings) -> int:
         if r.status_code != 200:
             print(f"error: {url}: {r.status_code} {r.text}", file=sys.stderr)
             return 1
-        if k is not None and r.json()["shape"][1] != k:
-            print(f"error: {url}'s {args.tensor} has K={r.json()['shape'][1]}, the first server's {k}", file=sys.stderr)
+        its_k = r.json()["shape"][1]
+        if k is not None and its_k != k:
+            print(f"error: {url}'s {args.tensor} has K={its_k}, the first server's {k}", file=sys.stderr)
             return 1
-        k = r.json()["shape"][1]
+        k = its_k
         backends[url] = httpx.get(f"{url}/healthz", headers=headers, timeout=30).json().get("backend")
     assert k is not None
     rows = []

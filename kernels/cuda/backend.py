@@ -350,12 +350,14 @@ class CudaBackend:
         filled = [o for o in outs if o is not None] if outs is not None else []  # every part's array, or none
         given = len(filled) == len(parts)
         direct = given and min(p.shape[0] for p in parts) * n * 4 >= DIRECT_OUT_BYTES
-        gathered = given and rows is not None and self.row_kernels is not None
+        # the rows' addresses, one for each row of X and of Y, where the device can read and write them there
+        gathered = (given and rows is not None and self.row_kernels is not None
+                    and len(rows[0]) == m and len(rows[1]) == m)
         if (self.graphs is not None and not poison and not direct
                 and (m <= GATHERED_GRAPH_ROWS if gathered else m <= GRAPH_ROWS and m * n < FINITE_ON_DEVICE)
                 and max(p.shape[0] for p in parts) * k <= X_AMAX_ON_DEVICE):
             replayed = self._replay(spec, w, parts, m, k, n, outs if given else None,
-                                    rows if given else None)  # reads X where it is, or copies it into its input
+                                    rows if gathered else None)  # reads X where it is, or copies it into its input
             if replayed is not None:
                 return replayed
         # large parts already in page-locked memory (a front's arena, registered by the engine) are uploaded from
@@ -414,12 +416,12 @@ class CudaBackend:
     def _replay(self, spec: CudaKernel, w: Weights, parts: list[np.ndarray], m: int, k: int, n: int,
                 outs: Outs, rows: RowAddresses = None) -> Pending | None:
         """The product from its CUDA graph (captured at its second sight), or None: launch it step by step.  With
-        `rows` (every row in page-locked memory the device addresses) its graph gathers X's rows and scatters Y's
-        rows where they lie, and checks Y finite as it writes them."""
+        `rows` (every row in page-locked memory the device addresses: `_launch` checked them) its graph gathers X's
+        rows and scatters Y's rows where they lie, and checks Y finite as it writes them."""
         graphs = self.graphs
         assert graphs is not None
         layout_key = w.layout_key(spec.weights.name)
-        gathered = rows is not None and self.row_kernels is not None and len(rows[0]) == m and len(rows[1]) == m
+        gathered = rows is not None
         graph_m = product_graphs.bucket(m, GRAPH_ROWS) if gathered else m
         if graph_m != m and spec.shape_reason(w.type_name, graph_m, n, k) is not None:
             return None  # (a kernel of a bounded M): step by step
@@ -432,7 +434,7 @@ class CudaBackend:
         if replay is None:
             if weights_ms or graphs.first_sight(key):
                 return None
-            replay = self._capture(key, spec, w, arrays, graph_m, k, n, rows if gathered else None)
+            replay = self._capture(key, spec, w, arrays, graph_m, k, n, rows)
             if replay is None:
                 return None
         if replay.table is not None:
