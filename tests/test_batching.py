@@ -322,3 +322,52 @@ def test_entries_of_several_parts_batch_together_and_pass_their_rows_addresses_o
     seen.clear()
     run(main(True))
     assert seen[1] is None  # a request without addresses in the batch: none are passed
+
+
+def test_a_batch_whose_rows_the_device_reads_in_place_launches_from_the_loop_up_to_its_bound() -> None:
+    """Engine._run_batch: a batch of up to LOOP_ROWS rows, or of up to LOOP_GATHERED_ROWS rows with the rows'
+    addresses (the device then replays a graph that reads and writes them where they lie), is launched from the
+    event loop; a larger one, or one past LOOP_ROWS without addresses, goes to the device's thread."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from app.engine import LOOP_GATHERED_ROWS, LOOP_ROWS, Engine, Job
+    from app.settings import Settings
+
+    engine = Engine(Settings(backend="cpu"))
+    worker = engine.pools["cpu"][0]
+    spec = next(k for k in KERNELS.values() if k.backend == worker.kind)
+    calls: list[tuple[str, int, bool]] = []
+
+    def answer(rows: int) -> Result:
+        return Result(np.zeros((rows, 3), np.float32), worker.kind, spec.activation_format, {"total": 0.0})
+
+    class Device:
+        name = worker.kind
+
+        def launch_inline(self, kernel, w, parts, outs=None, rows=None):
+            m = sum(p.shape[0] for p in parts)
+            calls.append(("loop", m, rows is not None))
+            return SimpleNamespace(done=True, result=lambda: answer(m))
+
+        def submit(self, kernel, w, parts, outs=None):
+            m = sum(p.shape[0] for p in parts)
+            calls.append(("thread", m, False))
+            f: Future = Future()
+            f.set_result(answer(m))
+            return f
+
+    worker.backend = Device()  # type: ignore[assignment]
+    info = SimpleNamespace(name="t", shape=(3, 32), type_name="F32")
+    job = Job(SimpleNamespace(version_key=("v", 1)), info, None, info, None)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        for rows, gathered in ((LOOP_ROWS, False), (LOOP_ROWS + 1, False), (LOOP_ROWS + 1, True),
+                               (LOOP_GATHERED_ROWS, True), (LOOP_GATHERED_ROWS + 1, True)):
+            parts = [np.ones((1, 32), np.float32) for _ in range(rows)]
+            at = ([i * 128 for i in range(rows)], [i * 12 for i in range(rows)]) if gathered else None
+            await engine._run_batch(worker, job, spec, parts, False, [None] * rows, at)
+
+    run(main())
+    assert calls == [("loop", LOOP_ROWS, False), ("thread", LOOP_ROWS + 1, False), ("loop", LOOP_ROWS + 1, True),
+                     ("loop", LOOP_GATHERED_ROWS, True), ("thread", LOOP_GATHERED_ROWS + 1, False)]
