@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     engines: Literal["per-device", "one"] = Field("per-device", description="engine processes beside the fronts: one "
                                                    "per device (each GPU of QGEMM_DEVICES, else each CPU device), "
                                                    "or one for every device")
+    engines_per_gpu: int = Field(1, ge=1, le=8, description="engine processes on each GPU (with per-device "
+                                                            "engines), each with its own queue and its own copy of "
+                                                            "the weights it multiplies: more than one where an "
+                                                            "engine's CPU, not its GPU, bounds the server")
     cpu_device_first: int = Field(0, ge=0, description="the number of this process's first CPU device (cpu:N): set "
                                                        "by the supervisor for an engine process per device")
     front_arena_bytes: int = Field(64 * MiB, ge=1 << 20, description="each front's shared memory for requests' "

@@ -263,3 +263,20 @@ def test_a_models_directory_that_cannot_be_written_is_one_line(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert "cannot write the demo model into /dev/null/models" in err and "QGEMM_WRITE_DEMO=false" in err
     assert "Traceback" not in err
+
+
+def test_engines_per_gpu_repeat_each_gpu_and_leave_cpu_devices_alone(monkeypatch) -> None:
+    """QGEMM_ENGINES_PER_GPU engine processes on each GPU (the fronts spread products over them), one per CPU device
+    where the CPU serves, one in all with QGEMM_ENGINES=one."""
+    from app.serving import supervisor
+    from app.settings import Settings
+
+    monkeypatch.setattr(supervisor, "gpu_ordinals", lambda settings: [0, 1])
+    envs = supervisor.engine_envs(Settings(engines_per_gpu=2))
+    assert envs == [{"QGEMM_DEVICES": "0"}, {"QGEMM_DEVICES": "0"}, {"QGEMM_DEVICES": "1"}, {"QGEMM_DEVICES": "1"}]
+    assert supervisor.engine_envs(Settings()) == [{"QGEMM_DEVICES": "0"}, {"QGEMM_DEVICES": "1"}]
+    assert supervisor.engine_envs(Settings(engines_per_gpu=3, engines="one")) == [{}]
+    monkeypatch.setattr(supervisor, "gpu_ordinals", lambda settings: [])
+    assert supervisor.engine_envs(Settings(engines_per_gpu=2, cpu_devices=2)) == [
+        {"QGEMM_CPU_DEVICES": "1", "QGEMM_CPU_DEVICE_FIRST": "0"},
+        {"QGEMM_CPU_DEVICES": "1", "QGEMM_CPU_DEVICE_FIRST": "1"}]

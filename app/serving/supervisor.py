@@ -59,23 +59,28 @@ def default_fronts(engines: int = 1) -> int:
     return max(1, min(FRONTS_PER_ENGINE * max(engines, 1), (os.cpu_count() or 2) // 2))
 
 
+def gpu_ordinals(settings: Settings) -> list[int]:
+    """The GPUs this server serves on (QGEMM_DEVICES of those CuPy sees), or none where the CPU serves."""
+    if settings.backend == "cpu":
+        return []
+    try:
+        from kernels.cuda.backend import cuda_device_count
+        from kernels.devices import parse_devices
+    except ImportError:  # no CuPy: the CPU serves
+        return []
+    count = cuda_device_count()
+    return parse_devices(settings.devices, count) if count else []
+
+
 def engine_envs(settings: Settings) -> list[dict[str, str]]:
-    """Each engine process's own settings: one per GPU of QGEMM_DEVICES where CUDA serves, else one per CPU device;
-    a single engine for all of them with QGEMM_ENGINES=one."""
+    """Each engine process's own settings: QGEMM_ENGINES_PER_GPU per GPU of QGEMM_DEVICES where CUDA serves (the
+    fronts send each product to the engine with the fewest in flight), else one per CPU device; a single engine for
+    all of them with QGEMM_ENGINES=one."""
     if settings.engines == "one":
         return [{}]
-    gpus: list[int] = []
-    if settings.backend != "cpu":
-        try:
-            from kernels.cuda.backend import cuda_device_count
-            from kernels.devices import parse_devices
-
-            count = cuda_device_count()
-            gpus = parse_devices(settings.devices, count) if count else []
-        except ImportError:  # no CuPy: the CPU serves
-            pass
+    gpus = gpu_ordinals(settings)
     if gpus:
-        return [{"QGEMM_DEVICES": str(d)} for d in gpus]
+        return [{"QGEMM_DEVICES": str(d)} for d in gpus for _ in range(settings.engines_per_gpu)]
     return [{"QGEMM_CPU_DEVICES": "1", "QGEMM_CPU_DEVICE_FIRST": str(i)} for i in range(settings.cpu_devices)]
 
 
