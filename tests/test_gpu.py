@@ -305,6 +305,33 @@ def _gathered_batches(backend, raw: bytes, mem, ms: tuple[int, ...], tensor: tup
 
 
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
+def test_gemv_fused_is_gemv_bit_for_bit_in_one_launch(backend, rng: np.random.Generator, type_name: str) -> None:
+    """gemv_fused (gemv.cu gemv1_fused: each block quantizes X to Q8_1 in its shared memory, then streams its rows)
+    gives gemv's M = 1 products bit for bit, and the reference's: K not a multiple of 128 or of a chunk, N not a
+    multiple of a block's 16 rows (and a single row), K whose Q8_1 takes more than 48 KiB of shared memory, X with an
+    all-zero quant block, Y poisoned first."""
+    fused, gemv = KERNELS["gemv_fused"], KERNELS["gemv"]
+    reason = backend.kernel_reason(fused) or backend.kernel_reason(gemv)
+    if reason:
+        pytest.skip(reason)
+    for n, k in ((300, 1440), (1, 32), (33, 49184)):
+        w_f32 = (rng.standard_normal((n, k)) * rng.uniform(0.005, 0.05)).astype(np.float32)
+        raw = quants.quantize(w_f32, GGMLQuantizationType[type_name])
+        w = Weights(("fused", type_name, n, k), type_name, n, k, lambda raw=raw: raw)
+        for run in range(2):
+            x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+            if k >= 64:
+                x[0, 32:64] = 0.0  # d = 0 and q = 0 for that block
+            got = backend.run(fused, w, x, poison=True)
+            want = backend.run(gemv, w, x, poison=True)
+            assert got.output.shape == (1, n) and np.isfinite(got.output).all(), (n, k, run)
+            np.testing.assert_array_equal(got.output, want.output, err_msg=f"{type_name} N={n} K={k} run {run}")
+            ref_y, terms = reference_product(type_name, raw, x, fused.activation_format)
+            assert_matches(got.output, ref_y, terms, f"gemv_fused {type_name} N={n} K={k}")
+        backend.unload(lambda key, wk=w.key: key == wk)
+
+
+@pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:
     """mmq on grids of more than one wave and without split-K, by pretending the GPU has 2 SMs."""

@@ -4,6 +4,7 @@
 #include "common.cuh"
 #include "groups.cuh"
 #include "mma.cuh"
+#include "q8_1.cuh"
 
 // ---- gemv -------------------------------------------------------------------------------------
 // M == 1: a warp per weight row (chunked rows, common.cuh), lanes over K blocks, 16-byte loads of weights and
@@ -510,6 +511,74 @@ __device__ void skinny(const GPlanes P, const i8* __restrict__ aq, const __half2
         gemv_rows<T, 8>(w, aq, ads, Y, M, N, K);                                                                \
     }
 QGEMM_FOR_FAST_TYPES(FAST)
+
+// ---- M = 1 in one launch --------------------------------------------------------------------------------
+// gemv1 without its quantize kernel: each block quantizes X (fp32, one row) into the split Q8_1 layout in its own
+// shared memory (q8_1.cuh's quantize4: quantize_q8_1_split's values and sums), then streams FUSED_ROWS weight rows a
+// warp each exactly as gemv_rows<T, 1> does (the same loads, order of sums and epilogue: its products bit for bit).
+// The first weights are in flight while X is quantized.  Why: at K = 4096 a product paid ~2 us that did not scale
+// with its bytes, the quantize kernel and the GEMV's wait for it among them (issue #59).  X is read by every block
+// (from L2): FUSED_ROWS rows a block keep that to K * 4 bytes per FUSED_ROWS rows of weights.  Compiled without
+// IEEE subnormals, unlike q8_1.cu: only a block whose scale d = amax/127 is a subnormal float quantizes differently,
+// and such a d is 0 in half precision, so that block adds 0 to the product either way.
+#ifndef FUSED_ROWS
+#define FUSED_ROWS 16
+#endif
+template <typename T>
+__device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ Y, int N,
+                            int K) {
+    extern __shared__ __align__(16) char smem[];
+    i8* aq = reinterpret_cast<i8*>(smem);                  // K int8 quants
+    __half2* ads = reinterpret_cast<__half2*>(smem + K);   // K / 32 (d, sum); K is a multiple of 32
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int n = blockIdx.x * FUSED_ROWS + warp;
+    const int KB = K / QK;
+    const u8* row = W + (size_t)min(n, N - 1) * ChunkedRows<T>::row_bytes(KB);  // rows past N load, never write
+    GemvStep<T> cur, nxt;
+    cur.load(row, lane, KB);
+    let_dependents_launch();
+    wait_for_inputs();  // X is written by the kernel or copy before this one
+    // 4 values a thread, 8 threads a quant block; every lane of a warp takes part in quantize4's shuffles
+    for (int base = 0; base < K; base += blockDim.x * 4) {
+        const int i = base + threadIdx.x * 4;
+        const bool active = i < K;
+        const float4 v = active ? *reinterpret_cast<const float4*>(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const Q8_1Block4 r = quantize4(v);
+        if (active) {
+            *reinterpret_cast<int*>(aq + i) = r.packed;
+            if (i % QK == 0) ads[i / QK] = make_half2(__float2half(r.d), __float2half(r.sum));
+        }
+    }
+    __syncthreads();
+    if (n >= N) return;
+    float acc = 0.f;
+    for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
+        nxt.load(row, kb0 + WARP * GEMV_U, KB);
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int kb = kb0 + u * WARP;
+            if (kb < KB) {
+                int w[8];
+                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
+                const int4* act = reinterpret_cast<const int4*>(aq) + kb * 2;  // shared memory: plain loads
+                const int4 a0 = act[0], a1 = act[1];
+                const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                acc += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[kb]);
+            }
+        }
+        cur = nxt;
+    }
+    const float sum = warp_sum(acc);
+    if (lane == 0) Y[n] = sum;
+}
+
+// gemv1_fused_<type>: FUSED_ROWS warps a block; launch.py's FUSED_ROWS mirrors it; shared memory K * 9 / 8 bytes
+#define FUSED(t, T)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(FUSED_ROWS * WARP, 2)                                          \
+        gemv1_fused_##t(const u8* w, const float* x, float* Y, int N, int K) {                                  \
+        gemv1_fused<T>(w, x, Y, N, K);                                                                          \
+    }
+QGEMM_FOR_FAST_TYPES(FUSED)
 
 // ---- gemv for the grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4; groups.cuh) -----------------------
 // llama.cpp's MMVQ formula, M <= MT: a warp per weight row, a lane per 32-value sub-block (lanes of a warp

@@ -14,6 +14,7 @@ import numpy as np
 
 from kernels.cuda import layouts as L
 from kernels.cuda.launch import (
+    FUSED_ROWS,
     I32,
     I64,
     MMQ16_SMEM,
@@ -38,7 +39,7 @@ from kernels.cuda.launch import (
     takes_skinny,
 )
 from kernels.cuda.layouts import ActivationLayout, DeviceArrays, WeightLayout, suffix
-from kernels.formats import BNB4_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
+from kernels.formats import BNB4_TYPES, LEGACY_TYPES, MMQ_SIGNED_TYPES, QK, QUANT_TYPES, format_of
 from kernels.groups import GROUPED, MMQ_D2_TYPES, mmq_scales_a_block
 from kernels.kernel import Device, Kernel
 from kernels.registry import LADDER_WEIGHTS, WEIGHTS, register
@@ -294,6 +295,25 @@ class Gemv(CudaKernel):
                shared_mem=stages * stage)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GemvFused(CudaKernel):
+    """M = 1 in one launch (gemv.cu gemv1_fused): each block quantizes X into Q8_1 in its shared memory, then streams
+    FUSED_ROWS weight rows as gemv's M = 1 kernel does, so that its products are gemv's bit for bit."""
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"gemv1_fused_{suffix(type_name)}",)
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import pdl
+
+        fn = mods.function(self.source, f"gemv1_fused_{suffix(type_name)}")
+        smem = k + k // QK * 4  # the split Q8_1 of X: K int8, K / 32 half2
+        if smem > 48 << 10 and fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem  # over the 48 KiB default
+        pdl.launch(fn, (cdiv(n, FUSED_ROWS),), (FUSED_ROWS * 32,), (w["w"], acts, y, I32(n), I32(k)),
+                   mods.dependent_launch, shared_mem=smem)
+
+
 # ---- bitsandbytes' NF4 / FP4 (bnb4.cu) --------------------------------------------------------------
 BNB4_STREAM_ROWS = 4  # bnb4.cu's BNB4_STREAM_ROWS: weight rows a block takes at a time
 BNB4_STREAM_SMEM = 256 * 32 * 8  # its per-lane pair tables
@@ -474,6 +494,12 @@ register(Gemv(
     min_cc=80, max_m=8, weight_types=QUANT_TYPES, rows_reuse=True, auto_rank=1,
     description="M <= 8 on the split weight layout: gemv's M = 1 stream (a warp per weight row, several 16-byte "
                 "loads in flight, dp4a) with each weight block reused for every activation row"))
+register(GemvFused(
+    name="gemv_fused", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.CHUNKED, acts=L.Q8_1_IN_KERNEL,
+    min_cc=80, max_m=1, weight_types=LEGACY_TYPES,
+    description="M = 1 in one launch for the legacy formats: each block of 16 warps quantizes X to Q8_1 in its "
+                "shared memory (the quantize kernel's values and sums), then streams 16 weight rows a warp each as "
+                "gemv's M = 1 kernel does (its products bit for bit), its first weights in flight meanwhile"))
 register(Bnb4Gemv(
     name="bnb4_gemv", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70, max_m=8,
     weight_types=BNB4_TYPES, auto_rank=4,

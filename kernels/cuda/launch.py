@@ -62,6 +62,7 @@ def groups_split(type_name: str) -> int:
 
 CHUNK_BLOCKS = 64  # common.cuh: K's chunk in gemv's layouts, and the skinny kernel's stage
 SKINNY_KB, SKINNY_ROWS, SKINNY_THREADS = CHUNK_BLOCKS, 16, 288  # as gemv.cu: quant blocks a stage, weight rows, threads
+FUSED_ROWS = 16  # gemv.cu's FUSED_ROWS: the weight rows (a warp each) of a block of gemv1_fused
 
 
 def takes_skinny(type_name: str, m: int) -> bool:

@@ -328,6 +328,19 @@ class FloatActivations(ActivationLayout):
         return bufs
 
 
+class Q8_1InKernel(ActivationLayout):
+    """fp32 X as it is, for a kernel that quantizes it to Q8_1 itself (gemv_fused: in its shared memory): no buffer
+    to fill, poison or read back (a product's `activations_q8_1` is then None)."""
+
+    quantized = True
+
+    def poison(self, bufs: Any) -> None:
+        pass
+
+    def to_host(self, bufs: Any, m: int, k: int) -> Any:
+        return None
+
+
 class Q8_1Blocks(ActivationLayout):
     """llama.cpp's block_q8_1 records: half2 (d, s) and 32 int8 quants a block (the ladder kernels)."""
 
@@ -451,6 +464,7 @@ X_F32 = FloatActivations("f32")
 X_F16 = FloatActivations("f16")
 X_BF16 = FloatActivations("bf16")
 Q8_1_BLOCKS = Q8_1Blocks("blocks")
+Q8_1_IN_KERNEL = Q8_1InKernel("in_kernel")
 Q8_1_SPLIT = Q8_1Split("split")
 Q8_1_SPLIT_CHUNKS = Q8_1Split("split_chunks", lambda m: m >= 2)  # the legacy formats' gemv (skinny from 2 rows)
 # the grouped formats' gemv, chunked from the rows where their skinny MMA takes over (launch.takes_skinny)
@@ -459,7 +473,8 @@ Q8_1_SPLIT_CHUNKS_GROUPED = {t: Q8_1Split(f"split_chunks_{t.lower()}", functools
 MMQ_ACTIVATIONS = {a.name: a for a in (Q8_1Mmq("mmq_d4", False, 0), Q8_1Mmq("mmq_ds4", True, 0),
                                        Q8_1Mmq("mmq_ds4s", True, 1), Q8_1Mmq("mmq_d2s6", True, 2))}
 ACTIVATIONS: dict[str, ActivationLayout] = {a.name: a for a in (
-    X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_SPLIT, Q8_1_SPLIT_CHUNKS, *Q8_1_SPLIT_CHUNKS_GROUPED.values(),
+    X_F32, X_F16, X_BF16, Q8_1_BLOCKS, Q8_1_IN_KERNEL, Q8_1_SPLIT, Q8_1_SPLIT_CHUNKS,
+    *Q8_1_SPLIT_CHUNKS_GROUPED.values(),
     *MMQ_ACTIVATIONS.values())}
 
 
