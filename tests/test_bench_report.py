@@ -16,8 +16,9 @@ def test_report_says_when_every_row_came_from_graphs() -> None:
     assert "Every row" in _timing_note({"rows": [{"kernel": "mmq", "timing": "graph"}]})
 
 
-def test_tuning_table_of_some_types_keeps_the_others(tmp_path) -> None:
-    """`qgemm bench --tune --types Q4_1` replaces Q4_1's entries and keeps the other types' from the same device."""
+def test_tuning_table_of_some_shapes_keeps_the_others(tmp_path) -> None:
+    """`qgemm bench --tune --types Q4_1 --m 1` replaces Q4_1's M = 1 entries and keeps the others, whatever device
+    measured them, each entry naming its own."""
     import json
 
     from kernels.tuning import write_table
@@ -33,8 +34,12 @@ def test_tuning_table_of_some_types_keeps_the_others(tmp_path) -> None:
     entries = {e["type"]: e for e in json.loads(path.read_text())["entries"]}
     assert entries["Q4_0"]["ranking"] == ["gemv"] and entries["Q4_0"]["date"] == "d1"
     assert entries["Q4_1"]["ranking"] == ["gemv_rows", "gemv"] and entries["Q4_1"]["date"] == "d2"
-    write_table({"device": "other GPU", "date": "d3", "rows": [row("Q4_1", 1, "gemv", 6.0)]}, path)
-    assert [e["type"] for e in json.loads(path.read_text())["entries"]] == ["Q4_1"]  # another device: nothing kept
+    write_table({"device": "other GPU", "date": "d3", "rows": [row("Q4_1", 8, "gemv", 7.0)]}, path)
+    table = json.loads(path.read_text())
+    entries = {(e["type"], e["M"]): e for e in table["entries"]}
+    assert sorted(entries) == [("Q4_0", 1), ("Q4_1", 1), ("Q4_1", 8)]
+    assert entries["Q4_1", 1]["device"] == "GPU" and entries["Q4_1", 1]["date"] == "d2"
+    assert entries["Q4_1", 8]["device"] == "other GPU" and table["devices"] == ["GPU", "other GPU"]
 
 
 PERF = """Backend 1/2: CUDA0

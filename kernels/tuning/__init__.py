@@ -55,7 +55,8 @@ def pick(backend: Any, type_name: str, m: int, n: int, k: int) -> Kernel | None:
 
 
 def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
-    """Rank kernels per (type, K, M) by quantize + GEMM time with rotating weights (HBM).
+    """Rank kernels per (type, K, M) by quantize + GEMM time with rotating weights (HBM), replacing the table's
+    entries of the shapes measured.
 
     Only kernels with llama.cpp's semantics compete: Q8_1 activations and the block formula, so that
     `auto` never changes the numbers a user gets (cuBLAS on dequantized fp16 weights is measured beside
@@ -69,20 +70,21 @@ def write_table(result: dict[str, Any], path: Path = TABLE) -> Path:
             groups.setdefault((r["type"], r["K"], r["M"]), []).append(r)
     entries = [{"type": t, "K": k, "M": m, "N": rows[0]["N"],
                 "ranking": [r["kernel"] for r in sorted(rows, key=lambda r: r["total_us"])],
-                "best_us": min(r["total_us"] for r in rows), "date": result["date"]}
+                "best_us": min(r["total_us"] for r in rows), "date": result["date"], "device": result["device"]}
                for (t, k, m), rows in sorted(groups.items())]
-    # a run of some types replaces their entries and keeps the other types' (measured on the same device)
-    measured = {e["type"] for e in entries}
+    # a run replaces the entries of the shapes it measured and keeps the rest, each entry naming its device (a run
+    # of a few shapes on another machine must not throw away a whole table measured elsewhere)
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         old = {}
-    if old.get("device") == result["device"]:
-        entries = sorted([e for e in old.get("entries", []) if e["type"] not in measured] + entries,
-                         key=lambda e: (e["type"], e["K"], e["M"]))
-    path.write_text(json.dumps({"device": result["device"], "date": result["date"],
+    measured = {(e["type"], e["K"], e["M"]) for e in entries}
+    kept = [{**e, "device": e.get("device", old.get("device"))} for e in old.get("entries", [])
+            if (e["type"], e["K"], e["M"]) not in measured]
+    entries = sorted(kept + entries, key=lambda e: (e["type"], e["K"], e["M"]))
+    path.write_text(json.dumps({"devices": sorted({str(e["device"]) for e in entries}),
                                 "method": "qgemm bench --tune: quantize+GEMM (CUDA-graph replays), rotating weights; "
-                                          "Q8_1 kernels only",
+                                          "Q8_1 kernels only; each entry from the device and date it names",
                                 "entries": entries}, indent=1) + "\n")
     load_table.cache_clear()
     return path
