@@ -42,6 +42,22 @@ def test_tuning_table_of_some_shapes_keeps_the_others(tmp_path) -> None:
     assert entries["Q4_1", 8]["device"] == "other GPU" and table["devices"] == ["GPU", "other GPU"]
 
 
+def test_tuning_table_ranks_the_kernels_that_compute_their_formula(tmp_path) -> None:
+    """A kernel competes when its error is its formula's (within 2x of the best kernel of that formula), whatever
+    that error is for this X: one that computes something else is left out, however fast."""
+    import json
+
+    from kernels.tuning import write_table
+
+    def row(kernel: str, us: float, nmse: float) -> dict:
+        return {"type": "Q5_0", "K": 4096, "N": 4096, "M": 1, "kernel": kernel, "total_us": us, "nmse": nmse}
+
+    path = tmp_path / "table.json"
+    write_table({"device": "GPU", "date": "d", "rows": [row("gemv", 5.0, 1.7e-4), row("gemv_rows", 6.0, 1.8e-4),
+                                                        row("vec_dp4a", 1.0, 0.5), row("mmq", 9.0, 2.7e-5)]}, path)
+    assert json.loads(path.read_text())["entries"][0]["ranking"] == ["gemv", "gemv_rows", "mmq"]
+
+
 PERF = """Backend 1/2: CUDA0
   MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=1,k=14336,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1):   13400 runs -    14.91 us/run - 117.44 MFLOP/run -   7.87 TFLOPS
   MUL_MAT(type_a=q2_K,type_b=f32,m=4096,n=8,k=4096,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1):   1300 runs -   21.10 us/run -  17.18 GFLOP/run - \x1b[1;34m110.91 TFLOPS\x1b[0m

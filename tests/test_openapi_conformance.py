@@ -18,13 +18,15 @@ import tomllib
 from pathlib import Path
 
 import hypothesis
-import schemathesis
+import pytest
 
-from app.main import create_app
-from app.settings import Settings
-from tests import schemathesis_hooks
-from tests.conftest import RUN_SEED, find_real_models_dir, populate_models_dir
-from tests.live import Server
+schemathesis = pytest.importorskip("schemathesis")  # a test extra: skipped where only the GPU tests' packages are
+
+from app.main import create_app  # noqa: E402
+from app.settings import Settings  # noqa: E402
+from tests import schemathesis_hooks  # noqa: E402
+from tests.conftest import RUN_SEED, find_real_models_dir, populate_models_dir  # noqa: E402
+from tests.live import Server  # noqa: E402
 
 EXAMPLES = int(os.environ.get("QGEMM_SCHEMATHESIS_EXAMPLES", "25"))
 STEPS = int(os.environ.get("QGEMM_SCHEMATHESIS_STEPS", "40"))

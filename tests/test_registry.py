@@ -206,3 +206,17 @@ def test_auto_picks_are_those_of_the_snapshot() -> None:
     want = json.loads(AUTO_SNAPSHOT.read_text())
     moved = {key: (want.get(key), got) for key, got in picks.items() if want.get(key) != got}
     assert not moved, f"{len(moved)} picks moved, e.g. {list(moved.items())[:5]}"
+
+
+def test_the_fused_gemv_says_which_k_its_shared_memory_holds() -> None:
+    """gemv_fused keeps X's Q8_1 (K * 9 / 8 bytes) in one block's shared memory: past that K it says so (a 422
+    naming the kernels that can), and `auto` never picks it there."""
+    from kernels.cuda.kernels import FUSED_MAX_K
+    from kernels.tuning import pick
+
+    spec = KERNELS["gemv_fused"]
+    assert FUSED_MAX_K * 9 // 8 <= 163 * 1024 and FUSED_MAX_K % 32 == 0
+    assert spec.can_run("Q4_0", 1, 4096, FUSED_MAX_K, 80) is None
+    assert "shared memory" in spec.can_run("Q4_0", 1, 4096, FUSED_MAX_K + 32, 80)
+    assert "M <= 1" in spec.can_run("Q4_0", 2, 4096, 4096, 90)
+    assert pick(_AnyGpu(90), "Q4_0", 1, 4096, FUSED_MAX_K + 32).name == "gemv"

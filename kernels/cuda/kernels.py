@@ -295,6 +295,9 @@ class Gemv(CudaKernel):
                shared_mem=stages * stage)
 
 
+FUSED_MAX_K = 160 * 1024 * 8 // 9 // QK * QK  # K * 9 / 8 bytes of shared memory within sm_80's 163 KiB a block
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GemvFused(CudaKernel):
     """M = 1 in one launch (gemv.cu gemv1_fused): each block quantizes X into Q8_1 in its shared memory, then streams
@@ -302,6 +305,11 @@ class GemvFused(CudaKernel):
 
     def entry_points(self, type_name: str) -> tuple[str, ...]:
         return (f"gemv1_fused_{suffix(type_name)}",)
+
+    def shape_reason(self, type_name: str, m: int, n: int, k: int) -> str | None:
+        if k > FUSED_MAX_K:
+            return f"{self.name} holds X's Q8_1 in shared memory: K <= {FUSED_MAX_K} (K={k})"
+        return super().shape_reason(type_name, m, n, k)
 
     def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
         from kernels.cuda import pdl
