@@ -325,9 +325,10 @@ def test_entries_of_several_parts_batch_together_and_pass_their_rows_addresses_o
 
 
 def test_a_batch_whose_rows_the_device_reads_in_place_launches_from_the_loop_up_to_its_bound() -> None:
-    """Engine._run_batch: a batch of up to LOOP_ROWS rows, or of up to LOOP_GATHERED_ROWS rows with the rows'
-    addresses (the device then replays a graph that reads and writes them where they lie), is launched from the
-    event loop; a larger one, or one past LOOP_ROWS without addresses, goes to the device's thread."""
+    """Engine._run_batch: a batch of up to LOOP_ROWS rows, or of up to LOOP_GATHERED_ROWS rows in parts of up to
+    LOOP_ROWS with the rows' addresses (the device then replays a graph that reads and writes them where they lie),
+    is launched from the event loop; a larger one, one past LOOP_ROWS without addresses, or one holding a part
+    past LOOP_ROWS (its rows go by DMA) goes to the device's thread."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
@@ -367,7 +368,14 @@ def test_a_batch_whose_rows_the_device_reads_in_place_launches_from_the_loop_up_
             parts = [np.ones((1, 32), np.float32) for _ in range(rows)]
             at = ([i * 128 for i in range(rows)], [i * 12 for i in range(rows)]) if gathered else None
             await engine._run_batch(worker, job, spec, parts, False, [None] * rows, at)
+        for sizes in ((LOOP_ROWS, LOOP_ROWS), (LOOP_ROWS + 1, 1), (LOOP_GATHERED_ROWS,)):  # one part too large
+            parts = [np.ones((m, 32), np.float32) for m in sizes]
+            rows = sum(sizes)
+            await engine._run_batch(worker, job, spec, parts, False, [None] * len(parts),
+                                    ([i * 128 for i in range(rows)], [i * 12 for i in range(rows)]))
 
     run(main())
     assert calls == [("loop", LOOP_ROWS, False), ("thread", LOOP_ROWS + 1, False), ("loop", LOOP_ROWS + 1, True),
-                     ("loop", LOOP_GATHERED_ROWS, True), ("thread", LOOP_GATHERED_ROWS + 1, False)]
+                     ("loop", LOOP_GATHERED_ROWS, True), ("thread", LOOP_GATHERED_ROWS + 1, False),
+                     ("loop", 2 * LOOP_ROWS, True), ("thread", LOOP_ROWS + 2, False),
+                     ("thread", LOOP_GATHERED_ROWS, False)]
