@@ -49,6 +49,8 @@ class Kernel:
     # where `auto` tries it for shapes the tuned table lacks (kernels/tuning): lower first, among the kernels
     # of llama.cpp's formula for that M; None: after every ranked one, in registration order
     auto_rank: int | None = None
+    # `auto` takes it only for weights of up to this many bytes, where it measured faster (None: any size)
+    auto_max_weight_bytes: int | None = None
     # False where it computes its formula only up to rounding it cannot know: the CPU twin of cuBLAS's half
     # sums (`f16_h`), whose order is the library's own; parity (tools/parity.py) holds only exact kernels to ggml
     exact: bool = True

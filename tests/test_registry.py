@@ -220,3 +220,15 @@ def test_the_fused_gemv_says_which_k_its_shared_memory_holds() -> None:
     assert "shared memory" in spec.can_run("Q4_0", 1, 4096, FUSED_MAX_K + 32, 80)
     assert "M <= 1" in spec.can_run("Q4_0", 2, 4096, 4096, 90)
     assert pick(_AnyGpu(90), "Q4_0", 1, 4096, FUSED_MAX_K + 32).name == "gemv"
+
+
+def test_auto_takes_the_fused_gemv_on_weights_of_the_size_it_measured_faster() -> None:
+    """gemv_fused streams large weights slower than gemv (half the warps an SM): `auto` takes it for M = 1 products
+    of up to FUSED_AUTO_MAX_BYTES of weights (Q8_0 [4096, 4096], SmolLM2's blocks), not for SmolLM2's Q8_0 LM head."""
+    from kernels.cuda.kernels import FUSED_AUTO_MAX_BYTES
+    from kernels.tuning import pick
+
+    assert 4096 * 4096 * 34 // 32 <= FUSED_AUTO_MAX_BYTES < 49152 * 576 * 34 // 32
+    assert pick(_AnyGpu(90), "Q8_0", 1, 4096, 4096).name == "gemv_fused"
+    assert pick(_AnyGpu(90), "Q4_1", 1, 576, 1536).name == "gemv_fused"
+    assert pick(_AnyGpu(90), "Q8_0", 1, 49152, 576).name == "gemv"

@@ -296,6 +296,10 @@ class Gemv(CudaKernel):
 
 
 FUSED_MAX_K = 160 * 1024 * 8 // 9 // QK * QK  # K * 9 / 8 bytes of shared memory within sm_80's 163 KiB a block
+# auto's bound on gemv_fused's weights: its blocks of 16 warps hold half the warps an SM of gemv holds, so bandwidth-
+# bound products stream slower (one H200: faster up to 17.8 MB, Q8_0 [4096, 4096]; slower from 30 MB, SmolLM2's
+# Q8_0 LM head [49152, 576] 22.2 against 16.2 us, and every K = 14336 product)
+FUSED_AUTO_MAX_BYTES = 24 << 20
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -504,7 +508,7 @@ register(Gemv(
                 "loads in flight, dp4a) with each weight block reused for every activation row"))
 register(GemvFused(
     name="gemv_fused", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.CHUNKED, acts=L.Q8_1_IN_KERNEL,
-    min_cc=80, max_m=1, weight_types=LEGACY_TYPES,
+    min_cc=80, max_m=1, weight_types=LEGACY_TYPES, auto_max_weight_bytes=FUSED_AUTO_MAX_BYTES,
     description="M = 1 in one launch for the legacy formats: each block of 16 warps quantizes X to Q8_1 in its "
                 "shared memory (the quantize kernel's values and sums), then streams 16 weight rows a warp each as "
                 "gemv's M = 1 kernel does (its products bit for bit), its first weights in flight meanwhile"))

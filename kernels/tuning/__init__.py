@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kernels.formats import format_of
 from kernels.kernel import Kernel
 from kernels.registry import KERNELS, llama_formula
 
@@ -30,6 +31,9 @@ def _usable(backend: Any, name: str, type_name: str, m: int, n: int, k: int) -> 
         return None  # auto answers what llama.cpp answers at this M: only kernels of its formula
     if spec.can_run(type_name, m, n, k, backend.cc) or backend.kernel_reason(spec):
         return None
+    fmt = format_of(type_name)
+    if spec.auto_max_weight_bytes is not None and fmt is not None and n * fmt.row_bytes(k) > spec.auto_max_weight_bytes:
+        return None  # measured slower on weights this large (the table is keyed by K and M, not by size)
     return spec
 
 
