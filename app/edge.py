@@ -48,6 +48,51 @@ async def body_of(request: Request) -> bytes | memoryview:
     return request.scope.get("state", {}).get(IN_PLACE) or body
 
 
+ONE_SEND_BYTES = 1 << 16  # bodies under this go in one send with their head
+
+
+class HeadWithBody:
+    """A response's view of its connection: the head (status line and headers, the cycle's first write) is held
+    until the body's first write, and both go in one send; a head whose body does not follow within this turn of
+    the event loop (a streamed or empty body) goes alone at the turn's end.  Why: uvicorn writes the two apart, two
+    sends and two TCP segments for every small answer, and the head's send was 6% of a front's samples at M = 1."""
+
+    __slots__ = ("transport", "loop", "held", "started")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self.transport, self.loop = transport, loop
+        self.held: bytes | None = None
+        self.started = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.started:
+            self.started = True
+            self.held = bytes(data)
+            self.loop.call_soon(self.flush)
+        elif self.held is not None:
+            head, self.held = self.held, None
+            if len(data) < ONE_SEND_BYTES:
+                self.transport.writelines((head, data))
+            else:  # a large body: its own send (asyncio's own transports would join the two, a copy of the body)
+                self.transport.write(head)
+                self.transport.write(data)
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        if self.held is not None:
+            head, self.held = self.held, None
+            if not self.transport.is_closing():
+                self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
 class BoundedHttp(HttpToolsProtocol):
     head_limit = 64 << 10
     read_timeout_s = 30.0
@@ -140,6 +185,8 @@ class BoundedHttp(HttpToolsProtocol):
         else:
             self._disarm()
         super().on_headers_complete()
+        if self.cycle is not None:  # its task has not run yet: the response goes through HeadWithBody
+            self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
         self._in_place = None
         if body and self.scope["path"] in IN_PLACE_PATHS and self.scope["method"] == "POST":
             length = next((value for name, value in self.headers if name == b"content-length"), None)

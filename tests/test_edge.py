@@ -188,3 +188,57 @@ def test_a_broken_large_body_read_in_place_is_400_and_the_server_serves_on(serve
     r = server.post(truncated)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_npy", r.text
     _still_serves(server)
+
+
+def test_a_response_s_head_goes_in_one_send_with_its_body() -> None:
+    """HeadWithBody: the head written in the same turn of the loop as the body goes with it (one writelines); a head
+    whose body does not follow in that turn goes alone at the turn's end, before the body; close sends what it holds."""
+    import asyncio
+
+    from app.edge import ONE_SEND_BYTES, HeadWithBody
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sends: list[list[bytes]] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.sends.append([bytes(data)])
+
+        def writelines(self, parts: tuple) -> None:
+            self.sends.append([bytes(p) for p in parts])
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def main() -> list[list[list[bytes]]]:
+        loop = asyncio.get_running_loop()
+        together, apart, closed, large = Transport(), Transport(), Transport(), Transport()
+        t = HeadWithBody(together, loop)  # type: ignore[arg-type]
+        t.write(b"head")
+        t.write(memoryview(b"body"))
+        t.write(b"more")
+        a = HeadWithBody(apart, loop)  # type: ignore[arg-type]
+        a.write(b"head")
+        await asyncio.sleep(0)
+        assert apart.sends == [[b"head"]]
+        a.write(b"body")
+        big = b"x" * ONE_SEND_BYTES
+        t.write(b"late")  # not the head: sent as it comes
+        b = HeadWithBody(large, loop)  # type: ignore[arg-type]
+        b.write(b"head")
+        b.write(big)
+        c = HeadWithBody(closed, loop)  # type: ignore[arg-type]
+        c.write(b"head")
+        c.close()
+        await asyncio.sleep(0)
+        assert large.sends == [[b"head"], [big]]  # a large body goes in a send of its own
+        return [together.sends, apart.sends, closed.sends + [[b"closed"]] * closed.closed]
+
+    together, apart, closed = asyncio.run(main())
+    assert together == [[b"head", b"body"], [b"more"], [b"late"]]
+    assert apart == [[b"head"], [b"body"]]
+    assert closed == [[b"head"], [b"closed"]]
