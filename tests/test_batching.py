@@ -216,6 +216,29 @@ def test_metrics_count_requests_and_batches(client) -> None:
     assert 'qgemm_http_request_seconds_bucket{le="0.005",route="/v1/matmul"}' in text
 
 
+def test_multiprocess_metrics_name_each_process_by_its_kept_pid(tmp_path: Path, monkeypatch) -> None:
+    """A front's multiprocess values are told the process id kept at start (no getpid() a value written), and a
+    forked child's is its own: two processes never share a values file."""
+    import os
+
+    from prometheus_client import values
+
+    from app import metrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.ValueClass)  # restored after: other tests' metrics are in-process
+    m = metrics.Metrics(engine=False)
+    m.requests.labels("/v1/matmul", "POST", "200").inc()
+    assert values.ValueClass.kept_pid and [p.name for p in tmp_path.iterdir()] == [f"counter_{os.getpid()}.db"]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its kept id is its own
+        os.write(write, b"1" if metrics._PID[0] == os.getpid() else b"0")
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1" and metrics._PID[0] == os.getpid()
+
+
 def test_a_lone_product_done_at_launch_still_lets_other_requests_in() -> None:
     """Engine._poll yields to the loop at least once: a product whose last event completed during its own launch
     must not return at once, or a caller submitting again straight away would keep the loop from everyone else."""

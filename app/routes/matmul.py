@@ -308,7 +308,8 @@ async def multiply(state: Any, model_id: str, tensor_name: str, kernel: str | Ke
 async def _within_deadline(product: Awaitable[Answer], seconds: float) -> Answer:
     """The product, or 504 after `seconds` (the engine may still finish it: its memory is let go once it does).
     One timer that cancels this task, not asyncio.wait_for: its Timeout object cost a front 5-8 µs a request."""
-    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup of the running loop is a getpid() call
+    task = asyncio.current_task(loop)
     assert task is not None
     expired = False
 
@@ -317,7 +318,7 @@ async def _within_deadline(product: Awaitable[Answer], seconds: float) -> Answer
         expired = True
         task.cancel()
 
-    timer = asyncio.get_running_loop().call_later(seconds, expire)
+    timer = loop.call_later(seconds, expire)
     try:
         return await product
     except asyncio.CancelledError:
