@@ -41,8 +41,16 @@ class Framed(asyncio.Protocol):
                  on_lost: Callable[[], None]):
         self.decode, self.on_messages, self.on_lost = decode, on_messages, on_lost
         self.transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._in = bytearray()
         self._out: list[Any] = []
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, looked up once: on Python 3.11 each lookup is a getpid() call."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     @property
     def open(self) -> bool:
@@ -79,7 +87,7 @@ class Framed(asyncio.Protocol):
         if not self.open:
             raise ConnectionError("the channel is closed")
         if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self._out.append(message)
 
     def _flush(self) -> None:
@@ -170,7 +178,7 @@ class Channel:
         if end is None or not end.open:
             raise EngineUnavailable(f"the engine at {self.path} is not connected")
         request.id = request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = end.loop.create_future()
         self._pending[request_id] = future
         try:
             end.send(request)
