@@ -107,24 +107,34 @@ class BoundedHttp(HttpToolsProtocol):
         self._head_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._reading = False  # a head or a body is being read: data resets the deadline
+        self._silent_since = 0.0  # the loop's time of the last progress while reading
         self._in_place: np.ndarray | None = None  # the body being read in place, and how much of it came
         self._in_place_at = 0
 
     # -- the deadline --------------------------------------------------------------------------------------------
+    # One timer a connection, set again only when it fires: progress and the ends of a read just note the time and
+    # whether a read is under way (a timer made and cancelled at each of them cost a request four of them).
     def _arm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = self.loop.call_later(self.read_timeout_s, self._expired)
+        """A read starts or makes progress: the silence starts now."""
+        self._silent_since = self.loop.time()
         self._reading = True
+        if self._deadline is None:
+            self._deadline = self.loop.call_at(self._silent_since + self.read_timeout_s, self._check)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        self._reading = False
+        self._reading = False  # a pending timer finds nothing being read and lapses
+
+    def _check(self) -> None:
+        self._deadline = None
+        if not self._reading:
+            return
+        due = self._silent_since + self.read_timeout_s
+        if self.loop.time() < due:  # progress since the timer was set
+            self._deadline = self.loop.call_at(due, self._check)
+        else:
+            self._expired()
 
     def _expired(self) -> None:
-        self._deadline = None
         if self.transport.is_closing():
             return
         if self.cycle is None or not self.cycle.response_started:
@@ -153,6 +163,9 @@ class BoundedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._deadline is not None:  # not left to hold the protocol until it fires
+            self._deadline.cancel()
+            self._deadline = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

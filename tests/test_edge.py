@@ -242,3 +242,46 @@ def test_a_response_s_head_goes_in_one_send_with_its_body() -> None:
     assert together == [[b"head", b"body"], [b"more"], [b"late"]]
     assert apart == [[b"head"], [b"body"]]
     assert closed == [[b"head"], [b"closed"]]
+
+
+def test_the_read_deadline_is_one_timer_a_connection() -> None:
+    """BoundedHttp's deadline: starts and progress of a read note the time and set no new timer while one is pending;
+    a timer that fires after progress is set again for the silence's end; one that finds no read under way lapses;
+    a silence of the whole timeout expires the read."""
+    from app.edge import BoundedHttp
+
+    class Loop:
+        def __init__(self) -> None:
+            self.now, self.timers = 0.0, []
+
+        def time(self) -> float:
+            return self.now
+
+        def call_at(self, when: float, fn):  # noqa: ANN001
+            self.timers.append((when, fn))
+            return type("Handle", (), {"cancel": lambda _: None})()
+
+    p = object.__new__(BoundedHttp)
+    p.loop, p.read_timeout_s, p._deadline, p._reading, p._silent_since = Loop(), 30.0, None, False, 0.0
+    expired: list[float] = []
+    p._expired = lambda: expired.append(p.loop.now)  # type: ignore[method-assign]
+    for t in (0.0, 1.0, 2.0):  # three requests' starts, progress and ends on one connection
+        p.loop.now = t
+        p._arm()
+        p._arm()
+        p._disarm()
+    assert len(p.loop.timers) == 1 and p.loop.timers[0][0] == 30.0
+    p.loop.now = 29.0
+    p._arm()  # a read under way when the timer fires, its last progress at 29 s
+    p.loop.now = 30.0
+    p.loop.timers.pop()[1]()
+    assert p.loop.timers == [(59.0, p._check)] and not expired
+    p.loop.now = 59.0
+    p.loop.timers.pop()[1]()
+    assert expired == [59.0] and not p.loop.timers
+    p._disarm()
+    p._arm()  # a new read at 59 s: a new timer; it finds nothing being read and lapses
+    p._disarm()
+    p.loop.now = 89.0
+    p.loop.timers.pop()[1]()
+    assert not p.loop.timers and expired == [59.0] and p._deadline is None
