@@ -7,7 +7,8 @@ requests/s, client latency p50/p99/max, errors by status, the server's own `requ
 overhead (`request` minus the product's quantize + GEMM, from Server-Timing), the GPU's share of
 the wall time (quantize + GEMM of each product, shared between the requests batched into it), and, when the
 server runs on this machine, the CPU time each of its processes spent over the run per request answered
-(engines and fronts apart: the processes /healthz names, their CPU read from /proc).
+(engines and fronts apart: the processes /healthz names, their CPU read from /proc), and the client processes' own
+(`clients`): where they share the server's cores, whether the load generator, not the server, bounds a run.
 """
 
 from __future__ import annotations
@@ -284,7 +285,8 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
     procs = [ctx.Process(target=_process, args=(plan, n, start_at, counter, out)) for n in shares]
     for p in procs:
         p.start()
-    server = server_processes(plan.url, plan.api_key)
+    # the server's processes, and this load generator's own (role "client"): whether the clients bound the run
+    server = server_processes(plan.url, plan.api_key) + [("client", p.pid) for p in procs if p.pid]
     time.sleep(max(0.0, start_at - time.time()))
     cpu_before = cpu_by_role(server)
     while time.time() < start_at + plan.seconds:
