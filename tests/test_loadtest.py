@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 
-from tools.loadtest import Connection, request_bytes
+from tools.loadtest import Connection, cpu_use, request_bytes
 
 
 def test_connection_reads_large_answers_whole_and_reconnects_after_close() -> None:
@@ -54,3 +54,13 @@ def test_connection_reads_large_answers_whole_and_reconnects_after_close() -> No
 
     asyncio.run(run())
     assert len(served) == 7
+
+
+def test_cpu_use_adds_a_roles_processes_per_request_and_names_its_busiest() -> None:
+    """loadtest's CPU figures: each role's processes summed per request answered, and the busiest process's share
+    of a core over the run (what says which process bounds it)."""
+    before = {("front", 1): 10.0, ("front", 2): 4.0, ("engine", 3): 7.0, ("client", 4): 1.0}
+    after = {("front", 1): 13.6, ("front", 2): 5.0, ("engine", 3): 7.5, ("client", 4): 1.2}
+    per_request, busiest = cpu_use(before, after, requests=20_000, seconds=4.0)
+    assert per_request == {"front": 230.0, "engine": 25.0, "client": 10.0}
+    assert busiest == {"front": 0.9, "engine": 0.125, "client": 0.05}

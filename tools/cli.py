@@ -84,6 +84,9 @@ def _print_run(row: dict, backend: str | None) -> None:
     if row["cpu_us_per_request"]:
         print("  CPU per request: " + ", ".join(f"{role}s {us:,.0f} µs" for role, us
                                                  in row["cpu_us_per_request"].items()), file=sys.stderr)
+    if row.get("busiest_core_share"):
+        print("  busiest process, share of a core: " + ", ".join(f"{role} {share:.0%}" for role, share
+                                                                in row["busiest_core_share"].items()), file=sys.stderr)
 
 
 def cmd_ceiling(args: argparse.Namespace, settings: Settings) -> int:

@@ -248,14 +248,29 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_by_role(procs: list[tuple[str, int]]) -> dict[str, float] | None:
-    seconds: dict[str, float] = {}
+def cpu_by_process(procs: list[tuple[str, int]]) -> dict[tuple[str, int], float] | None:
+    """CPU seconds so far of each (role, pid), or None where /proc does not show one of them."""
+    seconds: dict[tuple[str, int], float] = {}
     for role, pid in procs:
         t = cpu_seconds(pid)
         if t is None:
             return None
-        seconds[role] = seconds.get(role, 0.0) + t
+        seconds[(role, pid)] = t
     return seconds or None
+
+
+def cpu_use(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float], requests: int,
+            seconds: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Each role's CPU µs per request answered (its processes together), and the share of a core its busiest
+    process used over the run: a process near 100% is what bounds the run."""
+    per_request: dict[str, float] = {}
+    busiest: dict[str, float] = {}
+    for (role, pid), t in after.items():
+        used = t - before[(role, pid)]
+        per_request[role] = per_request.get(role, 0.0) + used / requests * 1e6
+        busiest[role] = max(busiest.get(role, 0.0), used / seconds)
+    return ({role: round(us, 1) for role, us in per_request.items()},
+            {role: round(share, 3) for role, share in busiest.items()})
 
 
 def abba(urls: list[str], rounds: int) -> list[str]:
@@ -288,14 +303,14 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
     # the server's processes, and this load generator's own (role "client"): whether the clients bound the run
     server = server_processes(plan.url, plan.api_key) + [("client", p.pid) for p in procs if p.pid]
     time.sleep(max(0.0, start_at - time.time()))
-    cpu_before = cpu_by_role(server)
+    cpu_before = cpu_by_process(server)
     while time.time() < start_at + plan.seconds:
         time.sleep(min(1.0, max(0.0, start_at + plan.seconds - time.time())))  # CPU read as the clients stop
         if progress and time.time() > start_at:
             elapsed = time.time() - start_at
             print(f"\r  {elapsed:5.1f}/{plan.seconds:.0f} s  {counter.value} requests "
                   f"({counter.value / max(elapsed, 1e-9):,.0f}/s)", end="", file=sys.stderr, flush=True)
-    cpu_after = cpu_by_role(server)
+    cpu_after = cpu_by_process(server)
     parts = [out.get() for _ in procs]
     for p in procs:
         p.join()
@@ -309,9 +324,9 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
         for k, v in p["errors"].items():
             errors[k] = errors.get(k, 0) + v
     ok = len(lat)
-    cpu_us = None
+    cpu_us = busiest = None
     if cpu_before and cpu_after and ok:  # CPU µs each role spent per request answered
-        cpu_us = {role: round((cpu_after[role] - cpu_before[role]) / ok * 1e6, 1) for role in cpu_before}
+        cpu_us, busiest = cpu_use(cpu_before, cpu_after, ok, plan.seconds)
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return round(float(np.percentile(a, q)), 3) if len(a) else None
@@ -322,4 +337,4 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
             "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "max_ms": round(float(lat.max()), 3) if ok else None,
             "server_request_p50_ms": pct(server, 50), "server_overhead_p50_ms": pct(overhead, 50),
             "gpu_share": round(sum(p["gpu_ms"] for p in parts) / (plan.seconds * 1e3), 4),
-            "cpu_us_per_request": cpu_us}
+            "cpu_us_per_request": cpu_us, "busiest_core_share": busiest}
