@@ -8,7 +8,8 @@ overhead (`request` minus the product's quantize + GEMM, from Server-Timing), th
 the wall time (quantize + GEMM of each product, shared between the requests batched into it), and, when the
 server runs on this machine, the CPU time each of its processes spent over the run per request answered
 (engines and fronts apart: the processes /healthz names, their CPU read from /proc), and the client processes' own
-(`clients`): where they share the server's cores, whether the load generator, not the server, bounds a run.
+(`clients`): where they share the server's cores, whether the load generator, not the server, bounds a run; and
+each role's busiest process's share of a core (one near 100% is what bounds the run).
 """
 
 from __future__ import annotations
@@ -301,16 +302,16 @@ def run(plan: Plan, processes: int | None = None, progress: bool = True) -> dict
     for p in procs:
         p.start()
     # the server's processes, and this load generator's own (role "client"): whether the clients bound the run
-    server = server_processes(plan.url, plan.api_key) + [("client", p.pid) for p in procs if p.pid]
+    watched = server_processes(plan.url, plan.api_key) + [("client", p.pid) for p in procs if p.pid]
     time.sleep(max(0.0, start_at - time.time()))
-    cpu_before = cpu_by_process(server)
+    cpu_before = cpu_by_process(watched)
     while time.time() < start_at + plan.seconds:
         time.sleep(min(1.0, max(0.0, start_at + plan.seconds - time.time())))  # CPU read as the clients stop
         if progress and time.time() > start_at:
             elapsed = time.time() - start_at
             print(f"\r  {elapsed:5.1f}/{plan.seconds:.0f} s  {counter.value} requests "
                   f"({counter.value / max(elapsed, 1e-9):,.0f}/s)", end="", file=sys.stderr, flush=True)
-    cpu_after = cpu_by_process(server)
+    cpu_after = cpu_by_process(watched)
     parts = [out.get() for _ in procs]
     for p in procs:
         p.join()
