@@ -45,23 +45,16 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
     }
 };
 
-// The weight stream: a warp per weight row, lanes over K blocks, GEMV_U blocks a lane in flight; each
-// unpacked weight block serves the batch's rows (up to MT, read through L1/L2, as llama.cpp's MMVQ does).
-// gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.  Weights: chunked rows (common.cuh); activations:
-// split by row (the chunked, padded ones are the skinny kernel's: layouts.py Q8_1Split).
-template <typename T, int MT>
-__device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
-                          float* __restrict__ Y, int M, int N, int K) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
-    if (n >= N) return;
-    const int KB = K / QK;
-    const u8* row = W + (size_t)n * ChunkedRows<T>::row_bytes(KB);
-    float acc[MT] = {};
-    GemvStep<T> cur, nxt;
-    cur.load(row, lane, KB);
-    let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
-    wait_for_inputs();        // (both no-ops unless launched dependent: pdl.py)
+// A lane's part of the weight stream of one row, from `cur` (its first GEMV_U blocks, loaded by the caller) on:
+// the next GEMV_U blocks a lane are loaded before the current ones are computed; each unpacked weight block serves
+// the batch's rows i < M (up to MT).  Acts gives activation row i's Q8_1 block kb: quants(i, kb, a) its 8 quant
+// words, ds(i, kb) its (d, s), read in that order around the dot as the two kernels did before they shared this
+// loop (the same PTX as then, but for register names).  gemv_rows reads them from global memory (GlobalActs),
+// gemv1_fused from its shared copy of X (SharedActs).
+template <typename T, int MT, typename Acts>
+__device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int M, GemvStep<T>& cur, float (&acc)[MT],
+                                           const Acts& acts) {
+    GemvStep<T> nxt;
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
         nxt.load(row, kb0 + WARP * GEMV_U, KB);
 #pragma unroll
@@ -73,16 +66,59 @@ __device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, c
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     if (i < M) {
-                        const int4* arow = reinterpret_cast<const int4*>(aq + (size_t)i * K);
-                        const int4 a0 = __ldg(arow + (size_t)kb * 2), a1 = __ldg(arow + (size_t)kb * 2 + 1);
-                        const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                        acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[(size_t)i * KB + kb]);
+                        int a[8];
+                        acts.quants(i, kb, a);
+                        acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), acts.ds(i, kb));
                     }
                 }
             }
         }
         cur = nxt;
     }
+}
+__device__ __forceinline__ void int8_words(int4 a0, int4 a1, int* a) {
+    a[0] = a0.x; a[1] = a0.y; a[2] = a0.z; a[3] = a0.w; a[4] = a1.x; a[5] = a1.y; a[6] = a1.z; a[7] = a1.w;
+}
+struct GlobalActs {  // the split Q8_1 layout in global memory: aq int8 [M, K], ads half2 [M, K/32]
+    const i8* __restrict__ aq;
+    const __half2* __restrict__ ads;
+    int K, KB;
+    __device__ __forceinline__ void quants(int i, int kb, int* a) const {
+        const int4* arow = reinterpret_cast<const int4*>(aq + (size_t)i * K) + (size_t)kb * 2;
+        int8_words(__ldg(arow), __ldg(arow + 1), a);
+    }
+    __device__ __forceinline__ __half2 ds(int i, int kb) const {
+        const __half2* __restrict__ p = ads;  // (a member's __restrict__ is not taken: the read-only path needs this)
+        return p[(size_t)i * KB + kb];
+    }
+};
+struct SharedActs {  // one row of it in shared memory (gemv1_fused): plain loads
+    const i8* aq;
+    const __half2* ads;
+    __device__ __forceinline__ void quants(int, int kb, int* a) const {
+        const int4* act = reinterpret_cast<const int4*>(aq) + kb * 2;
+        int8_words(act[0], act[1], a);
+    }
+    __device__ __forceinline__ __half2 ds(int, int kb) const { return ads[kb]; }
+};
+
+// The weight stream: a warp per weight row, lanes over K blocks (stream_row), activations read through L1/L2, as
+// llama.cpp's MMVQ does.  gemv's M = 1 kernel is MT = 1; gemv_rows (2 <= M <= 8) MT = 8.  Weights: chunked rows
+// (common.cuh); activations: split by row (the chunked, padded ones are the skinny kernel's: layouts.py Q8_1Split).
+template <typename T, int MT>
+__device__ void gemv_rows(const u8* __restrict__ W, const i8* __restrict__ aq, const __half2* __restrict__ ads,
+                          float* __restrict__ Y, int M, int N, int K) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int n = blockIdx.x * (blockDim.x / WARP) + warp;
+    if (n >= N) return;
+    const int KB = K / QK;
+    const u8* row = W + (size_t)n * ChunkedRows<T>::row_bytes(KB);
+    float acc[MT] = {};
+    GemvStep<T> cur;
+    cur.load(row, lane, KB);
+    let_dependents_launch();  // the next quantize kernel may get resident (it waits for this grid to end)
+    wait_for_inputs();        // (both no-ops unless launched dependent: pdl.py)
+    stream_row<T, MT>(row, lane, KB, M, cur, acc, GlobalActs{aq, ads, K, KB});
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const float sum = warp_sum(acc[i]);
@@ -515,7 +551,7 @@ QGEMM_FOR_FAST_TYPES(FAST)
 // ---- M = 1 in one launch --------------------------------------------------------------------------------
 // gemv1 without its quantize kernel: each block quantizes X (fp32, one row) into the split Q8_1 layout in its own
 // shared memory (q8_1.cuh's quantize4: quantize_q8_1_split's values and sums), then streams FUSED_ROWS weight rows a
-// warp each exactly as gemv_rows<T, 1> does (the same loads, order of sums and epilogue: its products bit for bit).
+// warp each through gemv_rows<T, 1>'s stream_row (the same loads, order of sums and epilogue: its products bit for bit).
 // The first weights are in flight while X is quantized.  Why: at K = 4096 a product paid ~2 us that did not scale
 // with its bytes, the quantize kernel and the GEMV's wait for it among them (issue #59).  X is read by every block
 // (from L2): FUSED_ROWS rows a block keep that to K * 4 bytes per FUSED_ROWS rows of weights.  Compiled without
@@ -534,7 +570,7 @@ __device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ 
     const int n = blockIdx.x * FUSED_ROWS + warp;
     const int KB = K / QK;
     const u8* row = W + (size_t)min(n, N - 1) * ChunkedRows<T>::row_bytes(KB);  // rows past N load, never write
-    GemvStep<T> cur, nxt;
+    GemvStep<T> cur;
     cur.load(row, lane, KB);
     let_dependents_launch();
     wait_for_inputs();  // X is written by the kernel or copy before this one
@@ -551,24 +587,9 @@ __device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ 
     }
     __syncthreads();
     if (n >= N) return;
-    float acc = 0.f;
-    for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
-        nxt.load(row, kb0 + WARP * GEMV_U, KB);
-#pragma unroll
-        for (int u = 0; u < GEMV_U; ++u) {
-            const int kb = kb0 + u * WARP;
-            if (kb < KB) {
-                int w[8];
-                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
-                const int4* act = reinterpret_cast<const int4*>(aq) + kb * 2;  // shared memory: plain loads
-                const int4 a0 = act[0], a1 = act[1];
-                const int a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                acc += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), ads[kb]);
-            }
-        }
-        cur = nxt;
-    }
-    const float sum = warp_sum(acc);
+    float acc[1] = {};
+    stream_row<T, 1>(row, lane, KB, 1, cur, acc, SharedActs{aq, ads});
+    const float sum = warp_sum(acc[0]);
     if (lane == 0) Y[n] = sum;
 }
 
