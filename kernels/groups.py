@@ -63,7 +63,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 bytes to 8 six-bit scales and 8 mins (get_scale_min_k4)."""
     s = scales.astype(np.int32)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
@@ -194,7 +194,7 @@ class Q4K(GroupedFormat):
         return (b["qs"].reshape(*b.shape, 4, 1, 32) >> (4 * np.arange(2).reshape(1, 2, 1))) & 0xF  # sub-block 2p + hi
 
     def decode(self, b: np.ndarray) -> tuple:
-        sc, mn = _scale_min_k4(b["scales"])
+        sc, mn = scale_min_k4(b["scales"])
         d, dmin = _f64(b["d"])[..., None], _f64(b["dmin"])[..., None]
         return self.quants(b), d * sc, -(dmin * mn), _half(d * sc), _half(-(dmin * mn))
 

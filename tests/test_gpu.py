@@ -331,6 +331,31 @@ def test_gemv_fused_is_gemv_bit_for_bit_in_one_launch(backend, rng: np.random.Ge
         backend.unload(lambda key, wk=w.key: key == wk)
 
 
+def test_gemv_k_is_gemv_bit_for_bit_on_its_own_layout(backend, rng: np.random.Generator) -> None:
+    """gemv_k (gemv.cu gemv1_q4_kr: Q4_K's sub-blocks as chunked rows, layouts.K_ROWS) gives gemv's M = 1 products of
+    the GGUF fields bit for bit, and the reference's: K not a whole chunk of 64 sub-blocks, N not a multiple of a
+    block's 8 rows (and a single row), random scale and nibble bytes (every code), X with an all-zero quant block,
+    Y poisoned first."""
+    kernel = "gemv_k"
+    spec, gemv = KERNELS[kernel], KERNELS["gemv"]
+    reason = backend.kernel_reason(spec) or backend.kernel_reason(gemv)
+    if reason:
+        pytest.skip(reason)
+    for n, k in ((300, 2304), (1, 256), (37, 14336 + 256)):
+        raw = groups.random_blocks("Q4_K", n, k, rng, float(rng.uniform(0.005, 0.05)))
+        w = Weights(("k_rows", kernel, n, k), "Q4_K", n, k, lambda raw=raw: raw)
+        for run in range(2):
+            x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+            x[0, 32:64] = 0.0  # d = 0 and q = 0 for that block
+            got = backend.run(spec, w, x, poison=True)
+            want = backend.run(gemv, w, x, poison=True)
+            assert got.output.shape == (1, n) and np.isfinite(got.output).all(), (n, k, run)
+            np.testing.assert_array_equal(got.output, want.output, err_msg=f"{kernel} N={n} K={k} run {run}")
+            ref_y, terms = reference_product("Q4_K", raw, x, spec.activation_format)
+            assert_matches(got.output, ref_y, terms, f"{kernel} Q4_K N={n} K={k}")
+        backend.unload(lambda key, wk=w.key: key == wk)
+
+
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:

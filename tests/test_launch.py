@@ -132,3 +132,35 @@ def test_chunked_rows_hold_every_block_where_gemv_reads_it(rng: np.random.Genera
             np.testing.assert_array_equal(rows[:, at_qh + 4 * j:][:, :4], qh[:, b])
         hb = head.shape[-1] * 2
         np.testing.assert_array_equal(rows[:, at_d + hb * j:][:, :hb], head[:, b].view(np.uint8).reshape(n, -1))
+
+
+@pytest.mark.parametrize("k", [256, 2048, 4096 + 256, 14336])
+def test_k_quant_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.Generator, k: int) -> None:
+    """layouts.k_quant_rows read back at common.cuh's ChunkedRows<Q4_KR> offsets (written out here): sub-block j of
+    chunk c has 16 nibble bytes at c * CHUNK + 16 j, its (sc, m) bytes after the chunk's nb quants, its super-block's
+    (d, dmin) after the nb scales at 4 (j / 8); the values so read, d * sc * q - dmin * m, are gguf's dequantization."""
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels.cuda.layouts import KQuantRows, k_quant_rows
+    from kernels.groups import random_blocks
+
+    n = 3
+    raw = random_blocks("Q4_K", n, k, rng)  # every nibble and scale byte uniform
+    rows = k_quant_rows("Q4_K", raw)
+    kb, per, sup = k // QK, KQuantRows.BLOCK_BYTES, KQuantRows.SUPER_BYTES
+    full = L.chunk_bytes(per, L.CHUNK_BLOCKS, sup)
+    assert rows.shape == (n, L.chunked_row_bytes(per, kb, sup)) and full % 16 == 0 and rows.shape[1] % 16 == 0
+    got = np.empty((n, k), np.float64)
+    for b in range(kb):
+        c, j = divmod(b, L.CHUNK_BLOCKS)
+        nb = min(L.CHUNK_BLOCKS, kb - c * L.CHUNK_BLOCKS)
+        chunk = c * full
+        at_scm, at_dd = chunk + 16 * nb, chunk + per * nb
+        assert at_scm % 2 == 0 and at_dd % 4 == 0
+        qs = rows[:, chunk + 16 * j:][:, :16]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float64)
+        sc, m = rows[:, at_scm + 2 * j], rows[:, at_scm + 2 * j + 1]
+        dd = np.ascontiguousarray(rows[:, at_dd + 4 * (j // 8):][:, :4]).view(np.float16).astype(np.float64)
+        got[:, QK * b:QK * (b + 1)] = dd[:, :1] * sc[:, None] * q - dd[:, 1:] * m[:, None]
+    want = quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

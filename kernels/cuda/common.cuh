@@ -192,11 +192,16 @@ __device__ __forceinline__ float split_epilogue(typename T::Scale w, float sumi,
 // fifth bits (a uint32 a block, Q5_0 / Q5_1), then their scales (d or (d, m)), padded to 16 bytes; every part
 // starts aligned for its loads (quants at 16 bytes, fifth bits at 16, scales at 4), and a full chunk is
 // CHUNK_BLOCKS block sizes (a multiple of 128 bytes).
+// A format whose blocks are the 8 sub-blocks of a super-block (groups.cuh Q4_KR) also has SUPER_BYTES of fields a
+// super-block (its part after the scales; K is then a multiple of 8 blocks).
+template <typename T, typename = void> struct SuperBytes { static constexpr int value = 0; };
+template <typename T> struct SuperBytes<T, decltype(void(T::SUPER_BYTES))> { static constexpr int value = T::SUPER_BYTES; };
 template <typename T>
 struct ChunkedRows {
     using Scale = typename T::Scale;
-    static constexpr int QH4 = T::QH ? 4 : 0, PER = T::QS_BYTES + QH4 + (int)sizeof(Scale), CHUNK = CHUNK_BLOCKS * PER;
-    __device__ static int chunk_bytes(int nb) { return (nb * PER + 15) & ~15; }
+    static constexpr int QH4 = T::QH ? 4 : 0, PER = T::QS_BYTES + QH4 + (int)sizeof(Scale), SUP = SuperBytes<T>::value;
+    static constexpr int CHUNK = CHUNK_BLOCKS * PER + CHUNK_BLOCKS / 8 * SUP;
+    __device__ static int chunk_bytes(int nb) { return (nb * PER + nb / 8 * SUP + 15) & ~15; }
     __device__ static size_t row_bytes(int KB) {
         return (size_t)(KB / CHUNK_BLOCKS) * CHUNK + chunk_bytes(KB % CHUNK_BLOCKS);
     }
@@ -207,6 +212,9 @@ struct ChunkedRows {
     }
     __device__ static const Scale* d(const u8* chunk, int nb, int j) {
         return reinterpret_cast<const Scale*>(chunk + nb * (T::QS_BYTES + QH4)) + j;
+    }
+    __device__ static const unsigned* super(const u8* chunk, int nb, int j) {  // block j's super-block fields
+        return reinterpret_cast<const unsigned*>(chunk + nb * PER) + j / 8;
     }
 };
 
@@ -314,6 +322,13 @@ __device__ __forceinline__ __half load_once(const __half* p) {
     unsigned short r;
     asm("ld.global.nc.L1::no_allocate.b16 %0, [%1];" : "=h"(r) : "l"(p));
     return __ushort_as_half(r);
+}
+template <bool KEEP_L1>
+__device__ __forceinline__ unsigned short load_once(const unsigned short* p) {
+    if constexpr (KEEP_L1) return __ldg(p);
+    unsigned short r;
+    asm("ld.global.nc.L1::no_allocate.b16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
 }
 template <bool KEEP_L1>
 __device__ __forceinline__ unsigned load_once(const unsigned* p) {

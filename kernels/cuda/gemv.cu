@@ -39,6 +39,7 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
                     w[u][v] = load_once<KEEP_L1>(reinterpret_cast<const int4*>(R::qs(chunk, j)) + v);
                 d[u] = load_once<KEEP_L1>(R::d(chunk, nb, j));
                 if constexpr (T::QH) h[u] = load_once<KEEP_L1>(R::qh(chunk, nb, j));
+                else if constexpr (R::SUP > 0) h[u] = load_once<KEEP_L1>(R::super(chunk, nb, j));  // Q4_KR's (d, dmin)
                 else h[u] = 0;
             }
         }
@@ -54,8 +55,13 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
 template <typename T, int MT, typename Acts>
 __device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int M, GemvStep<T>& cur, float (&acc)[MT],
                                            const Acts& acts) {
+    using R = ChunkedRows<T>;
     GemvStep<T> nxt;
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
+        if constexpr (R::SUP > 0) {  // Q4_KR: the chunk nxt reads asked into L2 first, a 128-byte line a lane (*)
+            const size_t at = (size_t)((kb0 - lane) / CHUNK_BLOCKS + 1) * R::CHUNK + 128 * lane;
+            if (128 * lane < R::CHUNK && at < R::row_bytes(KB)) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
+        }
         nxt.load(row, kb0 + WARP * GEMV_U, KB);
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
@@ -68,7 +74,11 @@ __device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int 
                     if (i < M) {
                         int a[8];
                         acts.quants(i, kb, a);
-                        acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), acts.ds(i, kb));
+                        if constexpr (ChunkedRows<T>::SUP > 0)  // a K-quant's sub-block: gemv_groups' sum
+                            acc[i] = fmaf(__low2float(acts.ds(i, kb)), T::sum(cur.d[u], cur.h[u], dot8<true>(w, a), a),
+                                          acc[i]);
+                        else
+                            acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), acts.ds(i, kb));
                     }
                 }
             }
@@ -600,6 +610,16 @@ __device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ 
         gemv1_fused<T>(w, x, Y, N, K);                                                                          \
     }
 QGEMM_FOR_FAST_TYPES(FUSED)
+
+// Q4_K at M = 1 on its chunked rows (groups.cuh Q4_KR), streamed as gemv1 streams the legacy formats, with (*) the
+// next chunk's lines asked into L2 before the lanes' loads of it: 12.5 -> 11.1 us at K = 14336 (an H200, [4096,
+// 14336], quantize + GEMM from HBM); 2-4 chunks ahead 11.8-12.0, and 2 ahead slowed Q4_0, Q4_1 and Q8_0 by 3-6%.
+// Also slower there: 3 or 4 blocks a lane a step, or a row split over 2 or 4 warps (more registers or more warps
+// than one wave of 4096 rows holds), and the one-launch form (gemv1_fused) at K = 4096.
+extern "C" __global__ void __launch_bounds__(256)
+    gemv1_q4_kr(const u8* w, const i8* aq, const __half2* ads, float* Y, int N, int K) {
+    gemv_rows<Q4_KR, 1>(w, aq, ads, Y, 1, N, K);
+}
 
 // ---- gemv for the grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4; groups.cuh) -----------------------
 // llama.cpp's MMVQ formula, M <= MT: a warp per weight row, a lane per 32-value sub-block (lanes of a warp

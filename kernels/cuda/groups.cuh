@@ -206,6 +206,22 @@ struct QK_45 {
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
 
+// Q4_K as gemv's chunked rows (common.cuh ChunkedRows; layouts.py K_ROWS, made at upload) for its M = 1 stream: a
+// 32-value sub-block as a legacy block of 16 nibble bytes in Q4_0's order (byte l: value l low, value l + 16 high),
+// its 6-bit scale and min unpacked to two bytes (Scale: sc | m << 8), and the super-block's (d, dmin) once after a
+// chunk's scales (SUPER_BYTES): 148 bytes a super-block against 144, read in 3 loads a sub-block where gemv_groups'
+// decode makes 7 (a 32-byte run shared with the neighbour sub-block, three scale bytes, d and dmin).  sum() is
+// QK_45's: the same integer sums and float operations, so gemv_groups' products bit for bit.
+struct Q4_KR {
+    static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 4;
+    static constexpr bool QH = false, MIN = false;
+    using Scale = unsigned short;
+    __device__ static float sum(unsigned short scm, unsigned dd, int sumi, const int* a) {
+        const float sc[1] = {half_of(dd, 0) * float(scm & 0xFF)}, cf[1] = {-(half_of(dd, 1) * float(scm >> 8))};
+        return group_sum<Q4_K>(sc, cf, sumi, 0, a);
+    }
+};
+
 // Planes: p0 qs [64], p1 scales [16] (4-bit scale, 4-bit min per 16 values), p2 d, p3 dmin
 struct Q2_K {
     static constexpr int SUBS = 8;

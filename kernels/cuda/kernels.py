@@ -326,6 +326,21 @@ class GemvFused(CudaKernel):
                    mods.dependent_launch, shared_mem=smem)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GemvKRows(CudaKernel):
+    """M = 1 for Q4_K on its own chunked rows (layouts.K_ROWS): gemv.cu's gemv1_q4_kr, gemv1's legacy stream over
+    them, launched dependent on its quantize kernel (pdl.py)."""
+
+    def entry_points(self, type_name: str) -> tuple[str, ...]:
+        return (f"gemv1_{suffix(type_name)}r",)
+
+    def launch(self, mods: Any, type_name: str, w: DeviceArrays, acts: Any, y: Any, m: int, n: int, k: int) -> None:
+        from kernels.cuda import pdl
+
+        pdl.launch(mods.function(self.source, f"gemv1_{suffix(type_name)}r"), (cdiv(n, 8),), (256,),
+                   (w["w"], acts["qs"], acts["ds"], y, I32(n), I32(k)), mods.dependent_launch)
+
+
 # ---- bitsandbytes' NF4 / FP4 (bnb4.cu) --------------------------------------------------------------
 BNB4_STREAM_ROWS = 4  # bnb4.cu's BNB4_STREAM_ROWS: weight rows a block takes at a time
 BNB4_STREAM_SMEM = 256 * 32 * 8  # its per-lane pair tables
@@ -512,6 +527,13 @@ register(GemvFused(
     description="M = 1 in one launch for the legacy formats: each block of 16 warps quantizes X to Q8_1 in its "
                 "shared memory (the quantize kernel's values and sums), then streams 16 weight rows a warp each as "
                 "gemv's M = 1 kernel does (its products bit for bit), its first weights in flight meanwhile"))
+register(GemvKRows(
+    name="gemv_k", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.K_ROWS, acts=L.Q8_1_SPLIT, min_cc=80,
+    max_m=1, weight_types=L.KQuantRows.TYPES, auto_rank=0,
+    description="M = 1 for Q4_K on its own layout, made at upload: each 32-value sub-block as a legacy block (16 "
+                "nibble bytes, its 6-bit scale and min unpacked to two bytes, the super-block's d and dmin once a "
+                "super-block), streamed as gemv streams Q4_1: 3 loads a sub-block where gemv's decode of the GGUF "
+                "fields makes 7; gemv's products bit for bit"))
 register(Bnb4Gemv(
     name="bnb4_gemv", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70, max_m=8,
     weight_types=BNB4_TYPES, auto_rank=4,

@@ -76,15 +76,16 @@ def takes_skinny(type_name: str, m: int) -> bool:
 SKINNY_SMEM = 110_000  # a block's stage buffers at most: two blocks an SM (228 KiB, with their 4 KiB sums and 1 KiB)
 
 
-def chunk_bytes(block_bytes: int, blocks: int) -> int:
-    """common.cuh ChunkedRows::chunk_bytes: a chunk of `blocks` legacy blocks (quants, fifth bits, scales), padded
-    to 16 bytes."""
-    return cdiv(blocks * block_bytes, 16) * 16
+def chunk_bytes(block_bytes: int, blocks: int, super_bytes: int = 0) -> int:
+    """common.cuh ChunkedRows::chunk_bytes: a chunk of `blocks` legacy blocks (quants, fifth bits, scales), and
+    `super_bytes` a super-block of 8 of them (Q4_KR), padded to 16 bytes."""
+    return cdiv(blocks * block_bytes + blocks // 8 * super_bytes, 16) * 16
 
 
-def chunked_row_bytes(block_bytes: int, kb: int) -> int:
+def chunked_row_bytes(block_bytes: int, kb: int, super_bytes: int = 0) -> int:
     """ChunkedRows::row_bytes: a weight row of kb blocks as chunks."""
-    return (kb // CHUNK_BLOCKS) * CHUNK_BLOCKS * block_bytes + chunk_bytes(block_bytes, kb % CHUNK_BLOCKS)
+    full = kb // CHUNK_BLOCKS * chunk_bytes(block_bytes, CHUNK_BLOCKS, super_bytes)
+    return full + chunk_bytes(block_bytes, kb % CHUNK_BLOCKS, super_bytes)
 
 
 def skinny_weights(block_bytes: int | None = None, scale_bytes: int | None = None,

@@ -25,6 +25,7 @@ from kernels.cuda.launch import (
     MMQ_BM,
     MMQ_BN,
     cdiv,
+    chunk_bytes,
     chunked_row_bytes,
     mmq_min_bytes,
     mmq_tiles,
@@ -271,9 +272,51 @@ def chunked_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     return out
 
 
+class KQuantRows(WeightLayout):
+    """Q4_K as gemv's chunked rows for its M = 1 stream (groups.cuh Q4_KR): each 32-value sub-block a legacy block of
+    16 nibble bytes in Q4_0's order and its 6-bit scale and min as two bytes, and each super-block's (d, dmin) once
+    after a chunk's scales (148 bytes a super-block against the file's 144)."""
+
+    BLOCK_BYTES, SUPER_BYTES = 18, 4
+    TYPES = ("Q4_K",)
+
+    def nbytes(self, type_name: str, n: int, k: int) -> int:
+        return n * chunked_row_bytes(self.BLOCK_BYTES, k // QK, self.SUPER_BYTES)
+
+    def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
+        rows = k_quant_rows(type_name, raw)
+        return {"w": _padded(rows.shape, rows.dtype, rows)}
+
+
+def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """Raw GGUF rows of Q4_K (uint8 [N, row_bytes]) as KQuantRows: uint8 [N, chunked_row_bytes(18, K / 32, 4)]."""
+    from kernels.groups import blocks_of, grouped, scale_min_k4
+
+    if type_name not in KQuantRows.TYPES:
+        raise ValueError(f"the {K_ROWS.name} layout holds {', '.join(KQuantRows.TYPES)} only, not {type_name}")
+    b = blocks_of(type_name, raw)
+    n, sbs = b.shape
+    kb = 8 * sbs
+    q = grouped(type_name).quants(b).reshape(n, kb, 32).astype(np.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # byte l: value l low, value l + 16 high
+    sc, mn = scale_min_k4(b["scales"])
+    scm = (sc | (mn << 8)).astype("<u2").reshape(n, kb)
+    dd = b.view(np.uint8).reshape(n, sbs, -1)[..., :4]  # the block's first fields: d, dmin
+    out = np.zeros((n, chunked_row_bytes(KQuantRows.BLOCK_BYTES, kb, KQuantRows.SUPER_BYTES)), np.uint8)
+    full = chunk_bytes(KQuantRows.BLOCK_BYTES, CHUNK_BLOCKS, KQuantRows.SUPER_BYTES)
+    for first in range(0, kb, CHUNK_BLOCKS):
+        nb = min(CHUNK_BLOCKS, kb - first)
+        parts = [qs[:, first:first + nb], scm[:, first:first + nb].view(np.uint8), dd[:, first // 8:(first + nb) // 8]]
+        chunk = np.concatenate([p.reshape(n, -1) for p in parts], axis=1)
+        at = first // CHUNK_BLOCKS * full
+        out[:, at:at + chunk.shape[1]] = chunk
+    return out
+
+
 GGUF = GgufBlocks("gguf")
 SPLIT = SplitPlanes("split")
 CHUNKED = ChunkedRows("chunked")
+K_ROWS = KQuantRows("k_rows")
 MMQ = MmqTiles("mmq")
 MMQ_D2 = MmqTiles("mmq_d2", digits=2)
 F16 = FloatMatrix("f16")
