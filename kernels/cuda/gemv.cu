@@ -74,7 +74,7 @@ __device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int 
                     if (i < M) {
                         int a[8];
                         acts.quants(i, kb, a);
-                        if constexpr (ChunkedRows<T>::SUP > 0)  // a K-quant's sub-block: gemv_groups' sum
+                        if constexpr (R::SUP > 0)  // a K-quant's sub-block: gemv_groups' sum
                             acc[i] = fmaf(__low2float(acts.ds(i, kb)), T::sum(cur.d[u], cur.h[u], dot8<true>(w, a), a),
                                           acc[i]);
                         else

@@ -214,7 +214,7 @@ using Q5_K = QK_45<true>;
 // QK_45's: the same integer sums and float operations, so gemv_groups' products bit for bit.
 struct Q4_KR {
     static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 4;
-    static constexpr bool QH = false, MIN = false;
+    static constexpr bool QH = false, MIN = false;  // (MIN: the legacy epilogue's flag; sum() adds the minimum)
     using Scale = unsigned short;
     __device__ static float sum(unsigned short scm, unsigned dd, int sumi, const int* a) {
         const float sc[1] = {half_of(dd, 0) * float(scm & 0xFF)}, cf[1] = {-(half_of(dd, 1) * float(scm >> 8))};

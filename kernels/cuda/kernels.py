@@ -532,8 +532,9 @@ register(GemvKRows(
     max_m=1, weight_types=L.KQuantRows.TYPES, auto_rank=0,
     description="M = 1 for Q4_K on its own layout, made at upload: each 32-value sub-block as a legacy block (16 "
                 "nibble bytes, its 6-bit scale and min unpacked to two bytes, the super-block's d and dmin once a "
-                "super-block), streamed as gemv streams Q4_1: 3 loads a sub-block where gemv's decode of the GGUF "
-                "fields makes 7; gemv's products bit for bit"))
+                "super-block), streamed as gemv streams Q4_1 with the next chunk asked into L2 ahead of the lanes' "
+                "loads: 3 loads a sub-block where gemv's decode of the GGUF fields makes 7; gemv's products bit for "
+                "bit"))
 register(Bnb4Gemv(
     name="bnb4_gemv", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70, max_m=8,
     weight_types=BNB4_TYPES, auto_rank=4,
