@@ -259,15 +259,22 @@ def chunked_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     from kernels.reference import block_fields
 
     head, qh, qs = block_fields(type_name, raw)
-    n, kb = qs.shape[:2]
-    block = _format(type_name).block_bytes
-    out = np.zeros((n, chunked_row_bytes(block, kb)), np.uint8)
+    parts = [qs, qh, head.view(np.uint8)] if qh is not None else [qs, head.view(np.uint8)]
+    return _chunks(parts, _format(type_name).block_bytes)
+
+
+def _chunks(parts: list[np.ndarray], block_bytes: int, super_parts: tuple[np.ndarray, ...] = (),
+            super_bytes: int = 0) -> np.ndarray:
+    """Rows of chunks (common.cuh ChunkedRows): each chunk of up to CHUNK_BLOCKS blocks holds its blocks' bytes of
+    each part [N, KB, ...] in turn, then its super-blocks' of each super part [N, KB / 8, ...], padded to 16 bytes."""
+    n, kb = parts[0].shape[:2]
+    out = np.zeros((n, chunked_row_bytes(block_bytes, kb, super_bytes)), np.uint8)
+    full = chunk_bytes(block_bytes, CHUNK_BLOCKS, super_bytes)
     for first in range(0, kb, CHUNK_BLOCKS):
-        nb = min(CHUNK_BLOCKS, kb - first)
-        parts = [qs[:, first:first + nb], qh[:, first:first + nb] if qh is not None else None,
-                 head[:, first:first + nb].view(np.uint8)]
-        chunk = np.concatenate([p.reshape(n, -1) for p in parts if p is not None], axis=1)
-        at = (first // CHUNK_BLOCKS) * CHUNK_BLOCKS * block
+        last = min(first + CHUNK_BLOCKS, kb)
+        pieces = [p[:, first:last] for p in parts] + [p[:, first // 8:last // 8] for p in super_parts]
+        chunk = np.concatenate([p.reshape(n, -1) for p in pieces], axis=1)
+        at = first // CHUNK_BLOCKS * full
         out[:, at:at + chunk.shape[1]] = chunk
     return out
 
@@ -302,15 +309,7 @@ def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     sc, mn = scale_min_k4(b["scales"])
     scm = (sc | (mn << 8)).astype("<u2").reshape(n, kb)
     dd = b.view(np.uint8).reshape(n, sbs, -1)[..., :4]  # the block's first fields: d, dmin
-    out = np.zeros((n, chunked_row_bytes(KQuantRows.BLOCK_BYTES, kb, KQuantRows.SUPER_BYTES)), np.uint8)
-    full = chunk_bytes(KQuantRows.BLOCK_BYTES, CHUNK_BLOCKS, KQuantRows.SUPER_BYTES)
-    for first in range(0, kb, CHUNK_BLOCKS):
-        nb = min(CHUNK_BLOCKS, kb - first)
-        parts = [qs[:, first:first + nb], scm[:, first:first + nb].view(np.uint8), dd[:, first // 8:(first + nb) // 8]]
-        chunk = np.concatenate([p.reshape(n, -1) for p in parts], axis=1)
-        at = first // CHUNK_BLOCKS * full
-        out[:, at:at + chunk.shape[1]] = chunk
-    return out
+    return _chunks([qs, scm.view(np.uint8).reshape(n, kb, 2)], KQuantRows.BLOCK_BYTES, (dd,), KQuantRows.SUPER_BYTES)
 
 
 GGUF = GgufBlocks("gguf")
