@@ -331,28 +331,35 @@ def test_gemv_fused_is_gemv_bit_for_bit_in_one_launch(backend, rng: np.random.Ge
         backend.unload(lambda key, wk=w.key: key == wk)
 
 
-def test_gemv_k_is_gemv_bit_for_bit_on_its_own_layout(backend, rng: np.random.Generator) -> None:
-    """gemv_k (gemv.cu gemv1_q4_kr: Q4_K's sub-blocks as chunked rows, layouts.K_ROWS) gives gemv's M = 1 products of
-    the GGUF fields bit for bit, and the reference's: K not a whole chunk of 64 sub-blocks, N not a multiple of a
-    block's 8 rows (and a single row), random scale and nibble bytes (every code), X with an all-zero quant block,
-    Y poisoned first."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_gemv_k_is_gemv_bit_for_bit_on_its_own_layout(backend, rng: np.random.Generator, monkeypatch,
+                                                     type_name: str) -> None:
+    """gemv_k (gemv.cu gemv1_q<n>_kr: the K-quants' sub-blocks as chunked rows, layouts.K_ROWS) gives gemv's M = 1
+    products of the GGUF fields bit for bit, and the reference's: K not a whole chunk of 64 sub-blocks, N not a
+    multiple of a block's 8 rows (and a single row), random scale, nibble and high-bit bytes (every code), X with
+    an all-zero quant block, Y poisoned first.  gemv runs a warp a row here, as gemv_k does (Q5_K's gemv splits a
+    row over 2 warps, whose two sums add in another order)."""
+    from kernels.cuda import launch
+
+    monkeypatch.setitem(launch.GROUPS_SPLIT, type_name, 1)
     kernel = "gemv_k"
     spec, gemv = KERNELS[kernel], KERNELS["gemv"]
     reason = backend.kernel_reason(spec) or backend.kernel_reason(gemv)
     if reason:
         pytest.skip(reason)
     for n, k in ((300, 2304), (1, 256), (37, 14336 + 256)):
-        raw = groups.random_blocks("Q4_K", n, k, rng, float(rng.uniform(0.005, 0.05)))
-        w = Weights(("k_rows", kernel, n, k), "Q4_K", n, k, lambda raw=raw: raw)
+        raw = groups.random_blocks(type_name, n, k, rng, float(rng.uniform(0.005, 0.05)))
+        w = Weights(("k_rows", kernel, type_name, n, k), type_name, n, k, lambda raw=raw: raw)
         for run in range(2):
             x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 10)).astype(np.float32)
             x[0, 32:64] = 0.0  # d = 0 and q = 0 for that block
             got = backend.run(spec, w, x, poison=True)
             want = backend.run(gemv, w, x, poison=True)
             assert got.output.shape == (1, n) and np.isfinite(got.output).all(), (n, k, run)
-            np.testing.assert_array_equal(got.output, want.output, err_msg=f"{kernel} N={n} K={k} run {run}")
-            ref_y, terms = reference_product("Q4_K", raw, x, spec.activation_format)
-            assert_matches(got.output, ref_y, terms, f"{kernel} Q4_K N={n} K={k}")
+            np.testing.assert_array_equal(got.output, want.output,
+                                          err_msg=f"{kernel} {type_name} N={n} K={k} run {run}")
+            ref_y, terms = reference_product(type_name, raw, x, spec.activation_format)
+            assert_matches(got.output, ref_y, terms, f"{kernel} {type_name} N={n} K={k}")
         backend.unload(lambda key, wk=w.key: key == wk)
 
 

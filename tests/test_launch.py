@@ -134,20 +134,25 @@ def test_chunked_rows_hold_every_block_where_gemv_reads_it(rng: np.random.Genera
         np.testing.assert_array_equal(rows[:, at_d + hb * j:][:, :hb], head[:, b].view(np.uint8).reshape(n, -1))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k", [256, 2048, 4096 + 256, 14336])
-def test_k_quant_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.Generator, k: int) -> None:
-    """layouts.k_quant_rows read back at common.cuh's ChunkedRows<Q4_KR> offsets (written out here): sub-block j of
-    chunk c has 16 nibble bytes at c * CHUNK + 16 j, its (sc, m) bytes after the chunk's nb quants, its super-block's
-    (d, dmin) after the nb scales at 4 (j / 8); the values so read, d * sc * q - dmin * m, are gguf's dequantization."""
+def test_k_quant_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.Generator, type_name: str,
+                                                                 k: int) -> None:
+    """layouts.k_quant_rows read back at common.cuh's ChunkedRows<Q4_KR / Q5_KR / Q6_KR> offsets and decoded as
+    groups.cuh's words() and sum() do (written out here): sub-block j of chunk c has 16 nibble bytes at
+    c * CHUNK + 16 j, then after the chunk's nb quants its high bits (Q5_K 4 bytes, Q6_K 8), after those its two
+    scale bytes, and after the nb scales its super-block's fields at SUPER (j / 8); the values so read are gguf's
+    dequantization."""
     from gguf import GGMLQuantizationType, quants
 
     from kernels.cuda.layouts import KQuantRows, k_quant_rows
     from kernels.groups import random_blocks
 
     n = 3
-    raw = random_blocks("Q4_K", n, k, rng)  # every nibble and scale byte uniform
-    rows = k_quant_rows("Q4_K", raw)
-    kb, per, sup = k // QK, KQuantRows.BLOCK_BYTES, KQuantRows.SUPER_BYTES
+    raw = random_blocks(type_name, n, k, rng)  # every nibble, high-bit and scale byte uniform
+    rows = k_quant_rows(type_name, raw)
+    kb, (per, sup) = k // QK, KQuantRows.GEOMETRY[type_name]
+    hb = per - 18
     full = L.chunk_bytes(per, L.CHUNK_BLOCKS, sup)
     assert rows.shape == (n, L.chunked_row_bytes(per, kb, sup)) and full % 16 == 0 and rows.shape[1] % 16 == 0
     got = np.empty((n, k), np.float64)
@@ -155,12 +160,25 @@ def test_k_quant_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.
         c, j = divmod(b, L.CHUNK_BLOCKS)
         nb = min(L.CHUNK_BLOCKS, kb - c * L.CHUNK_BLOCKS)
         chunk = c * full
-        at_scm, at_dd = chunk + 16 * nb, chunk + per * nb
-        assert at_scm % 2 == 0 and at_dd % 4 == 0
+        at_hi, at_sc, at_sup = chunk + 16 * nb, chunk + (16 + hb) * nb, chunk + per * nb
+        assert at_hi % 16 == 0 and at_sc % 2 == 0 and at_sup % sup == 0
         qs = rows[:, chunk + 16 * j:][:, :16]
-        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float64)
-        sc, m = rows[:, at_scm + 2 * j], rows[:, at_scm + 2 * j + 1]
-        dd = np.ascontiguousarray(rows[:, at_dd + 4 * (j // 8):][:, :4]).view(np.float16).astype(np.float64)
-        got[:, QK * b:QK * (b + 1)] = dd[:, :1] * sc[:, None] * q - dd[:, 1:] * m[:, None]
-    want = quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int64)
+        if hb:
+            words = np.ascontiguousarray(rows[:, at_hi + hb * j:][:, :hb]).view("<u4").astype(np.int64)
+            v = np.arange(32)
+            if type_name == "Q5_K":  # bit l: value l's fifth
+                q |= ((words[:, :1] >> v) & 1) << 4
+            else:  # value 16 h + 4 i + c: bits 8 c + 2 i of word h
+                i, cc = (v % 16) // 4, v % 4
+                q |= ((words[:, v // 16] >> (8 * cc + 2 * i)) & 3) << 4
+        sf = np.ascontiguousarray(rows[:, at_sup + sup * (j // 8):][:, :sup]).view(np.float16).astype(np.float64)
+        if type_name == "Q6_K":
+            sc = rows[:, at_sc + 2 * j:][:, :2].view(np.int8).astype(np.float64)
+            value = sf[:, :1] * np.repeat(sc, 16, axis=1) * (q - 32)
+        else:
+            sc, m = rows[:, at_sc + 2 * j], rows[:, at_sc + 2 * j + 1]
+            value = sf[:, :1] * sc[:, None] * q - sf[:, 1:] * m[:, None]
+        got[:, QK * b:QK * (b + 1)] = value
+    want = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

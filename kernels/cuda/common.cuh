@@ -192,14 +192,23 @@ __device__ __forceinline__ float split_epilogue(typename T::Scale w, float sumi,
 // fifth bits (a uint32 a block, Q5_0 / Q5_1), then their scales (d or (d, m)), padded to 16 bytes; every part
 // starts aligned for its loads (quants at 16 bytes, fifth bits at 16, scales at 4), and a full chunk is
 // CHUNK_BLOCKS block sizes (a multiple of 128 bytes).
-// A format whose blocks are the 8 sub-blocks of a super-block (groups.cuh Q4_KR) also has SUPER_BYTES of fields a
-// super-block (its part after the scales; K is then a multiple of 8 blocks).
+// A format whose blocks are the 8 sub-blocks of a super-block (groups.cuh's K-quant rows: Q4_KR, Q5_KR, Q6_KR)
+// also has SUPER_BYTES of fields a super-block (its part after the scales; K is then a multiple of 8 blocks), and
+// may have HIGH_BYTES of high bits a block in place of the legacy fifth bits (Q6_KR: 8, two bits a value).
 template <typename T, typename = void> struct SuperBytes { static constexpr int value = 0; };
 template <typename T> struct SuperBytes<T, decltype(void(T::SUPER_BYTES))> { static constexpr int value = T::SUPER_BYTES; };
+template <typename T, typename = void> struct HighBytes { static constexpr int value = T::QH ? 4 : 0; };
+template <typename T> struct HighBytes<T, decltype(void(T::HIGH_BYTES))> { static constexpr int value = T::HIGH_BYTES; };
+template <int B> struct Word { using type = unsigned; };  // a field of B <= 8 bytes as one load's register(s)
+template <> struct Word<2> { using type = unsigned short; };
+template <> struct Word<8> { using type = uint2; };
 template <typename T>
 struct ChunkedRows {
     using Scale = typename T::Scale;
-    static constexpr int QH4 = T::QH ? 4 : 0, PER = T::QS_BYTES + QH4 + (int)sizeof(Scale), SUP = SuperBytes<T>::value;
+    static constexpr int HB = HighBytes<T>::value, SUP = SuperBytes<T>::value;
+    static constexpr int PER = T::QS_BYTES + HB + (int)sizeof(Scale);
+    using High = typename Word<HB>::type;
+    using Super = typename Word<SUP>::type;
     static constexpr int CHUNK = CHUNK_BLOCKS * PER + CHUNK_BLOCKS / 8 * SUP;
     __device__ static int chunk_bytes(int nb) { return (nb * PER + nb / 8 * SUP + 15) & ~15; }
     __device__ static size_t row_bytes(int KB) {
@@ -207,14 +216,14 @@ struct ChunkedRows {
     }
     // block j of a chunk of nb blocks
     __device__ static const u8* qs(const u8* chunk, int j) { return chunk + j * T::QS_BYTES; }
-    __device__ static const unsigned* qh(const u8* chunk, int nb, int j) {
-        return reinterpret_cast<const unsigned*>(chunk + nb * T::QS_BYTES) + j;
+    __device__ static const High* qh(const u8* chunk, int nb, int j) {
+        return reinterpret_cast<const High*>(chunk + nb * T::QS_BYTES) + j;
     }
     __device__ static const Scale* d(const u8* chunk, int nb, int j) {
-        return reinterpret_cast<const Scale*>(chunk + nb * (T::QS_BYTES + QH4)) + j;
+        return reinterpret_cast<const Scale*>(chunk + nb * (T::QS_BYTES + HB)) + j;
     }
-    __device__ static const unsigned* super(const u8* chunk, int nb, int j) {  // block j's super-block fields
-        return reinterpret_cast<const unsigned*>(chunk + nb * PER) + j / 8;
+    __device__ static const Super* super(const u8* chunk, int nb, int j) {  // block j's super-block fields
+        return reinterpret_cast<const Super*>(chunk + nb * PER) + j / 8;
     }
 };
 
@@ -335,6 +344,13 @@ __device__ __forceinline__ unsigned load_once(const unsigned* p) {
     if constexpr (KEEP_L1) return __ldg(p);
     unsigned r;
     asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+template <bool KEEP_L1>
+__device__ __forceinline__ uint2 load_once(const uint2* p) {
+    if constexpr (KEEP_L1) return __ldg(p);
+    uint2 r;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
 template <bool KEEP_L1>

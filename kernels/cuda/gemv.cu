@@ -23,7 +23,8 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
     static constexpr bool KEEP_L1 = T::QS_BYTES == 32;  // see load_once
     int4 w[GEMV_U][T::QS_BYTES / 16];
     typename T::Scale d[GEMV_U];
-    unsigned h[GEMV_U];
+    typename R::High h[GEMV_U];  // fifth bits (Q5_0, Q5_1, Q5_KR) or two high bits a value (Q6_KR)
+    unsigned s[GEMV_U];          // a K-quant's super-block fields (R::SUP > 0)
     // kb0 = lane + 64 i: its GEMV_U blocks, 32 apart, all lie in chunk i (the chunk's parts found once)
     static_assert(WARP * GEMV_U == CHUNK_BLOCKS, "a lane's step of blocks is one chunk");
     __device__ __forceinline__ void load(const u8* row, int kb0, int KB) {
@@ -38,9 +39,9 @@ struct GemvStep {  // one lane's weight blocks kb0, kb0 + 32, ... (GEMV_U of the
                 for (int v = 0; v < T::QS_BYTES / 16; ++v)
                     w[u][v] = load_once<KEEP_L1>(reinterpret_cast<const int4*>(R::qs(chunk, j)) + v);
                 d[u] = load_once<KEEP_L1>(R::d(chunk, nb, j));
-                if constexpr (T::QH) h[u] = load_once<KEEP_L1>(R::qh(chunk, nb, j));
-                else if constexpr (R::SUP > 0) h[u] = load_once<KEEP_L1>(R::super(chunk, nb, j));  // Q4_KR's (d, dmin)
+                if constexpr (R::HB > 0) h[u] = load_once<KEEP_L1>(R::qh(chunk, nb, j));
                 else h[u] = 0;
+                if constexpr (R::SUP > 0) s[u] = load_once<KEEP_L1>(R::super(chunk, nb, j));
             }
         }
     }
@@ -56,9 +57,14 @@ template <typename T, int MT, typename Acts>
 __device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int M, GemvStep<T>& cur, float (&acc)[MT],
                                            const Acts& acts) {
     using R = ChunkedRows<T>;
+    // The chunk nxt reads asked into L2 first, a 128-byte line a lane.  An H200, [4096, 14336], quantize + GEMM from
+    // HBM, without -> with: M = 1 Q5_0 13.8 -> 12.4 us, Q5_1 14.7 -> 13.2, Q8_0 18.4 -> 17.2, Q4_KR 12.5 -> 11.1,
+    // Q4_0 and Q4_1 unchanged; at 8 rows (MT = 8) Q8_0 95 -> 69 and Q5_x 50 -> 45, but Q4_0 42 -> 48 and Q4_1 42 ->
+    // 43, so the 4-bit blocks of 18 and 20 bytes take it only at M = 1.
+    constexpr bool PREFETCH = MT == 1 || R::PER > 20;
     GemvStep<T> nxt;
     for (int kb0 = lane; kb0 < KB; kb0 += WARP * GEMV_U) {
-        if constexpr (R::SUP > 0) {  // Q4_KR: the chunk nxt reads asked into L2 first, a 128-byte line a lane (*)
+        if constexpr (PREFETCH) {
             const size_t at = (size_t)((kb0 - lane) / CHUNK_BLOCKS + 1) * R::CHUNK + 128 * lane;
             if (128 * lane < R::CHUNK && at < R::row_bytes(KB)) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
         }
@@ -68,15 +74,15 @@ __device__ __forceinline__ void stream_row(const u8* row, int lane, int KB, int 
             const int kb = kb0 + u * WARP;
             if (kb < KB) {
                 int w[8];
-                load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
+                if constexpr (R::SUP > 0) T::words(cur.w[u][0], cur.h[u], w);
+                else load_split_words<T>(reinterpret_cast<const u8*>(cur.w[u]), cur.h[u], w);
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     if (i < M) {
                         int a[8];
                         acts.quants(i, kb, a);
                         if constexpr (R::SUP > 0)  // a K-quant's sub-block: gemv_groups' sum
-                            acc[i] = fmaf(__low2float(acts.ds(i, kb)), T::sum(cur.d[u], cur.h[u], dot8<true>(w, a), a),
-                                          acc[i]);
+                            acc[i] = fmaf(__low2float(acts.ds(i, kb)), T::sum(cur.d[u], cur.s[u], w, a), acc[i]);
                         else
                             acc[i] += split_epilogue<T>(cur.d[u], float(dot8<true>(w, a)), acts.ds(i, kb));
                     }
@@ -611,15 +617,20 @@ __device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ 
     }
 QGEMM_FOR_FAST_TYPES(FUSED)
 
-// Q4_K at M = 1 on its chunked rows (groups.cuh Q4_KR), streamed as gemv1 streams the legacy formats, with (*) the
-// next chunk's lines asked into L2 before the lanes' loads of it: 12.5 -> 11.1 us at K = 14336 (an H200, [4096,
-// 14336], quantize + GEMM from HBM); 2-4 chunks ahead 11.8-12.0, and 2 ahead slowed Q4_0, Q4_1 and Q8_0 by 3-6%.
-// Also slower there: 3 or 4 blocks a lane a step, or a row split over 2 or 4 warps (more registers or more warps
-// than one wave of 4096 rows holds), and the one-launch form (gemv1_fused) at K = 4096.
-extern "C" __global__ void __launch_bounds__(256)
-    gemv1_q4_kr(const u8* w, const i8* aq, const __half2* ads, float* Y, int N, int K) {
-    gemv_rows<Q4_KR, 1>(w, aq, ads, Y, 1, N, K);
-}
+// The K-quants at M = 1 on their chunked rows (groups.cuh Q4_KR, Q5_KR, Q6_KR), streamed as gemv1 streams the
+// legacy formats.  An H200, [4096, 14336], quantize + GEMM from HBM, gemv on the GGUF fields -> these: Q4_K 14.0 ->
+// 11.1 us, Q5_K 14.6 -> 13.2, Q6_K 17.0 -> 14.6; at K = 4096 they are 0.3-0.7 us slower (auto's table).  For Q4_K
+// the L2 prefetch (stream_row) took 12.5 -> 11.1, 2-4 chunks ahead 11.8-12.0.  Also slower there: 3 or 4 blocks a
+// lane a step, or a row split over 2 or 4 warps (more registers or more warps than one wave of 4096 rows holds),
+// and the one-launch form (gemv1_fused) at K = 4096.
+#define GEMV_KR(t, T)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        gemv1_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int N, int K) {                      \
+        gemv_rows<T, 1>(w, aq, ads, Y, 1, N, K);                                                                \
+    }
+GEMV_KR(q4_kr, Q4_KR)
+GEMV_KR(q5_kr, Q5_KR)
+GEMV_KR(q6_kr, Q6_KR)
 
 // ---- gemv for the grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4; groups.cuh) -----------------------
 // llama.cpp's MMVQ formula, M <= MT: a warp per weight row, a lane per 32-value sub-block (lanes of a warp

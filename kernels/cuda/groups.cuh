@@ -206,22 +206,6 @@ struct QK_45 {
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
 
-// Q4_K as gemv's chunked rows (common.cuh ChunkedRows; layouts.py K_ROWS, made at upload) for its M = 1 stream: a
-// 32-value sub-block as a legacy block of 16 nibble bytes in Q4_0's order (byte l: value l low, value l + 16 high),
-// its 6-bit scale and min unpacked to two bytes (Scale: sc | m << 8), and the super-block's (d, dmin) once after a
-// chunk's scales (SUPER_BYTES): 148 bytes a super-block against 144, read in 3 loads a sub-block where gemv_groups'
-// decode makes 7 (a 32-byte run shared with the neighbour sub-block, three scale bytes, d and dmin).  sum() is
-// QK_45's: the same integer sums and float operations, so gemv_groups' products bit for bit.
-struct Q4_KR {
-    static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 4;
-    static constexpr bool QH = false, MIN = false;  // (MIN: the legacy epilogue's flag; sum() adds the minimum)
-    using Scale = unsigned short;
-    __device__ static float sum(unsigned short scm, unsigned dd, int sumi, const int* a) {
-        const float sc[1] = {half_of(dd, 0) * float(scm & 0xFF)}, cf[1] = {-(half_of(dd, 1) * float(scm >> 8))};
-        return group_sum<Q4_K>(sc, cf, sumi, 0, a);
-    }
-};
-
 // Planes: p0 qs [64], p1 scales [16] (4-bit scale, 4-bit min per 16 values), p2 d, p3 dmin
 struct Q2_K {
     static constexpr int SUBS = 8;
@@ -358,6 +342,57 @@ struct Q6_K {
     }
     __device__ static void decode(const GPlanes& P, size_t s, int j, int* w, float* sc, float* cf) {
         decode_k<Q6_K>(P, s, j, w, sc, cf);
+    }
+};
+
+// The K-quants as gemv's chunked rows (common.cuh ChunkedRows; layouts.py K_ROWS, made at upload) for its M = 1
+// stream: each 32-value sub-block a legacy block of 16 nibble bytes in Q4_0's order (byte l: value l low, value
+// l + 16 high) and its scales unpacked to two bytes (Scale), the super-block's float fields once after a chunk's
+// scales (SUPER_BYTES).  words() gives the sub-block's 8 value words from its nibbles and high bits, sum() MMVQ's
+// sum before d_a from them: gemv_groups' (gemv_k1's) integer sums and float operations, so its products bit for bit.
+// Q4_KR: Scale sc | m << 8 (the 6-bit scale and min), super (d, dmin); 148 bytes a super-block against 144, read in
+// 3 loads a sub-block where gemv_groups' decode makes 7 (a 32-byte run shared with the neighbour sub-block, three
+// scale bytes, d and dmin).
+struct Q4_KR {
+    static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 4;
+    static constexpr bool QH = false, MIN = false;  // (MIN: the legacy epilogue's flag; sum() adds the minimum)
+    using Scale = unsigned short;
+    __device__ static void words(int4 v, unsigned qh, int* w) { load_split_words<Q4_KR>(reinterpret_cast<const u8*>(&v), qh, w); }
+    __device__ static float sum(unsigned short scm, unsigned dd, const int* w, const int* a) {
+        const float sc[1] = {half_of(dd, 0) * float(scm & 0xFF)}, cf[1] = {-(half_of(dd, 1) * float(scm >> 8))};
+        return group_sum<Q4_K>(sc, cf, dot8<true>(w, a), 0, a);
+    }
+};
+// Q5_KR: Q4_KR with the fifth bits as Q5_0's (a uint32 a sub-block, bit l: value l's); 180 bytes against 176, 4
+// loads a sub-block where gemv_k1 makes 9
+struct Q5_KR : Q4_KR {
+    static constexpr bool QH = true;
+    __device__ static void words(int4 v, unsigned qh, int* w) { load_split_words<Q5_KR>(reinterpret_cast<const u8*>(&v), qh, w); }
+};
+// Q6_KR: two high bits a value in 8 bytes (value 4i + b's at bits 2i of byte b of word 0 for values 0-15, of word 1
+// for values 16-31), Scale the two int8 scales of values 0-15 and 16-31, super d; 212 bytes against 210, 4 loads
+// a sub-block where gemv_groups' decode makes 7
+struct Q6_KR {
+    static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 2, HIGH_BYTES = 8;
+    static constexpr bool QH = false, MIN = false;
+    using Scale = unsigned short;
+    __device__ static void words(int4 v, uint2 h, int* w) {
+        const int p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = bytes_minus<32>((p[i] & 0x0F0F0F0F) | (((h.x >> (2 * i)) & 0x03030303) << 4));
+            w[i + 4] = bytes_minus<32>(((p[i] >> 4) & 0x0F0F0F0F) | (((h.y >> (2 * i)) & 0x03030303) << 4));
+        }
+    }
+    __device__ static float sum(unsigned short scs, unsigned d, const int* w, const int* a) {
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            lo = __dp4a(w[q], a[q], lo);
+            hi = __dp4a(w[q + 4], a[q + 4], hi);
+        }
+        const float dd = half_bits(d), sc[2] = {dd * float(i8(scs & 0xFF)), dd * float(i8(scs >> 8))}, cf[2] = {};
+        return group_sum<Q6_K>(sc, cf, lo, hi, a);
     }
 };
 

@@ -280,15 +280,19 @@ def _chunks(parts: list[np.ndarray], block_bytes: int, super_parts: tuple[np.nda
 
 
 class KQuantRows(WeightLayout):
-    """Q4_K as gemv's chunked rows for its M = 1 stream (groups.cuh Q4_KR): each 32-value sub-block a legacy block of
-    16 nibble bytes in Q4_0's order and its 6-bit scale and min as two bytes, and each super-block's (d, dmin) once
-    after a chunk's scales (148 bytes a super-block against the file's 144)."""
+    """The K-quants as gemv's chunked rows for their M = 1 stream (groups.cuh Q4_KR, Q5_KR, Q6_KR): each 32-value
+    sub-block a legacy block of 16 nibble bytes in Q4_0's order, its high bits (Q5_K: a uint32, bit l value l's
+    fifth; Q6_K: two uint32 of 2-bit pairs) and its scales unpacked to two bytes, and each super-block's float
+    fields once after a chunk's scales (Q4_K 148 bytes a super-block against the file's 144, Q5_K 180 against 176,
+    Q6_K 212 against 210)."""
 
-    BLOCK_BYTES, SUPER_BYTES = 18, 4
-    TYPES = ("Q4_K",)
+    # bytes a sub-block (its block in the chunk) and a super-block (after the chunk's scales)
+    GEOMETRY = {"Q4_K": (18, 4), "Q5_K": (22, 4), "Q6_K": (26, 2)}
+    TYPES = tuple(GEOMETRY)
 
     def nbytes(self, type_name: str, n: int, k: int) -> int:
-        return n * chunked_row_bytes(self.BLOCK_BYTES, k // QK, self.SUPER_BYTES)
+        block_bytes, super_bytes = self.GEOMETRY[type_name]
+        return n * chunked_row_bytes(block_bytes, k // QK, super_bytes)
 
     def make(self, mods: Any, type_name: str, raw: Any, n: int, k: int) -> DeviceArrays:
         rows = k_quant_rows(type_name, raw)
@@ -296,7 +300,8 @@ class KQuantRows(WeightLayout):
 
 
 def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
-    """Raw GGUF rows of Q4_K (uint8 [N, row_bytes]) as KQuantRows: uint8 [N, chunked_row_bytes(18, K / 32, 4)]."""
+    """Raw GGUF rows of a K-quant KQuantRows holds (uint8 [N, row_bytes]) as KQuantRows: uint8
+    [N, chunked_row_bytes(block bytes, K / 32, super bytes)]."""
     from kernels.groups import blocks_of, grouped, scale_min_k4
 
     if type_name not in KQuantRows.TYPES:
@@ -304,12 +309,29 @@ def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     b = blocks_of(type_name, raw)
     n, sbs = b.shape
     kb = 8 * sbs
-    q = grouped(type_name).quants(b).reshape(n, kb, 32).astype(np.uint8)
-    qs = q[..., :16] | (q[..., 16:] << 4)  # byte l: value l low, value l + 16 high
-    sc, mn = scale_min_k4(b["scales"])
-    scm = (sc | (mn << 8)).astype("<u2").reshape(n, kb)
-    dd = b.view(np.uint8).reshape(n, sbs, -1)[..., :4]  # the block's first fields: d, dmin
-    return _chunks([qs, scm.view(np.uint8).reshape(n, kb, 2)], KQuantRows.BLOCK_BYTES, (dd,), KQuantRows.SUPER_BYTES)
+    fmt = grouped(type_name)
+    if type_name == "Q6_K":
+        q = (fmt.decode(b)[0].reshape(n, kb, 32) + 32).astype(np.uint32)  # 0..63
+        # high bit pairs: value 4i + c (i < 4) at bits 8c + 2i of word 0; value 16 + 4i + c the same in word 1
+        hp = (q >> 4).reshape(n, kb, 2, 4, 4)  # [.., word, i, c]
+        shift = 8 * np.arange(4).reshape(1, 4) + 2 * np.arange(4).reshape(4, 1)
+        high = (hp << shift).sum(axis=(-2, -1), dtype=np.uint32).astype("<u4").view(np.uint8).reshape(n, kb, 8)
+        scales = b["scales"].view(np.uint8).reshape(n, kb, 2)  # int8 scales of values 0-15 and 16-31
+        sup = np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, sbs, 2)
+    else:
+        q = fmt.quants(b).reshape(n, kb, 32).astype(np.uint32)
+        sc, mn = scale_min_k4(b["scales"])
+        scales = (sc | (mn << 8)).astype("<u2").reshape(n, kb).view(np.uint8).reshape(n, kb, 2)
+        sup = b.view(np.uint8).reshape(n, sbs, -1)[..., :4]  # the block's first fields: d, dmin
+        high = None
+        if type_name == "Q5_K":
+            bits = (q >> 4) << np.arange(32, dtype=np.uint32)  # bit l: value l's fifth
+            high = bits.sum(axis=-1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(n, kb, 4)
+    low = (q & 0xF).astype(np.uint8)
+    qs = low[..., :16] | (low[..., 16:] << 4)  # byte l: value l low, value l + 16 high
+    parts = [qs, scales] if high is None else [qs, high, scales]
+    block_bytes, super_bytes = KQuantRows.GEOMETRY[type_name]
+    return _chunks(parts, block_bytes, (sup,), super_bytes)
 
 
 GGUF = GgufBlocks("gguf")
