@@ -232,15 +232,16 @@ def test_auto_takes_the_fused_gemv_on_weights_of_the_size_it_measured_faster() -
     assert pick(_AnyGpu(90), "Q8_0", 1, 49152, 576).name == "gemv"
 
 
-def test_auto_takes_q4_k_own_layout_where_it_measured_faster() -> None:
-    """gemv_k (Q4_K's sub-blocks as chunked rows) streamed K = 14336 faster than gemv on the GGUF fields and K = 4096
-    slower (the tuned table): `auto` takes it for M = 1 from K of about 7,600 (the table's entries nearest in log K),
-    gemv below, and never at M > 1 or for other formats."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_auto_takes_the_k_quants_own_layout_where_it_measured_faster(type_name: str) -> None:
+    """gemv_k (the K-quants' sub-blocks as chunked rows) streamed K = 14336 faster than gemv on the GGUF fields and
+    K = 4096 slower (the tuned table): `auto` takes it at M = 1 from K of about 7,600 (the table's entries nearest in
+    log K), gemv below, and never at M > 1 or for other formats."""
     from kernels.tuning import pick
 
-    assert pick(_AnyGpu(90), "Q4_K", 1, 4096, 14336).name == "gemv_k"
-    assert pick(_AnyGpu(90), "Q4_K", 1, 4096, 8192).name == "gemv_k"
-    assert pick(_AnyGpu(90), "Q4_K", 1, 4096, 4096).name in ("gemv", "gemv_rows")  # (one kernel there: gemv1_q4_k)
-    assert pick(_AnyGpu(90), "Q4_K", 2, 4096, 14336).name != "gemv_k"
-    assert "M <= 1" in KERNELS["gemv_k"].can_run("Q4_K", 2, 4096, 4096, 90)
-    assert KERNELS["gemv_k"].can_run("Q5_K", 1, 4096, 4096, 90) is not None
+    assert pick(_AnyGpu(90), type_name, 1, 4096, 14336).name == "gemv_k"
+    assert pick(_AnyGpu(90), type_name, 1, 4096, 8192).name == "gemv_k"
+    assert pick(_AnyGpu(90), type_name, 1, 4096, 4096).name in ("gemv", "gemv_rows")  # (one kernel there at M = 1)
+    assert pick(_AnyGpu(90), type_name, 2, 4096, 14336).name != "gemv_k"
+    assert "M <= 1" in KERNELS["gemv_k"].can_run(type_name, 2, 4096, 4096, 90)
+    assert KERNELS["gemv_k"].can_run("Q3_K", 1, 4096, 4096, 90) is not None
