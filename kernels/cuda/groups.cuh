@@ -350,25 +350,25 @@ struct Q6_K {
 // l + 16 high) and its scales unpacked to two bytes (Scale), the super-block's float fields once after a chunk's
 // scales (SUPER_BYTES).  words() gives the sub-block's 8 value words from its nibbles and high bits, sum() MMVQ's
 // sum before d_a from them: gemv_groups' (gemv_k1's) integer sums and float operations, so its products bit for bit.
-// Q4_KR: Scale sc | m << 8 (the 6-bit scale and min), super (d, dmin); 148 bytes a super-block against 144, read in
-// 3 loads a sub-block where gemv_groups' decode makes 7 (a 32-byte run shared with the neighbour sub-block, three
-// scale bytes, d and dmin).
-struct Q4_KR {
+// Q4_KR and Q5_KR: Scale sc | m << 8 (the 6-bit scale and min), super (d, dmin); Q5_KR's fifth bits as Q5_0's (a
+// uint32 a sub-block, bit l: value l's).  148 and 180 bytes a super-block against 144 and 176, read in 3 and 4 loads
+// a sub-block where gemv_groups' decode makes 7 (a 32-byte run shared with the neighbour sub-block, three scale
+// bytes, d and dmin) and gemv_k1 9 (its high-bit run too).
+template <bool FIFTH>
+struct QK_45R {
     static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 4;
-    static constexpr bool QH = false, MIN = false;  // (MIN: the legacy epilogue's flag; sum() adds the minimum)
+    static constexpr bool QH = FIFTH, MIN = false;  // (MIN: the legacy epilogue's flag; sum() adds the minimum)
     using Scale = unsigned short;
-    __device__ static void words(int4 v, unsigned qh, int* w) { load_split_words<Q4_KR>(reinterpret_cast<const u8*>(&v), qh, w); }
+    __device__ static void words(int4 v, unsigned qh, int* w) {
+        load_split_words<QK_45R>(reinterpret_cast<const u8*>(&v), qh, w);
+    }
     __device__ static float sum(unsigned short scm, unsigned dd, const int* w, const int* a) {
         const float sc[1] = {half_of(dd, 0) * float(scm & 0xFF)}, cf[1] = {-(half_of(dd, 1) * float(scm >> 8))};
         return group_sum<Q4_K>(sc, cf, dot8<true>(w, a), 0, a);
     }
 };
-// Q5_KR: Q4_KR with the fifth bits as Q5_0's (a uint32 a sub-block, bit l: value l's); 180 bytes against 176, 4
-// loads a sub-block where gemv_k1 makes 9
-struct Q5_KR : Q4_KR {
-    static constexpr bool QH = true;
-    __device__ static void words(int4 v, unsigned qh, int* w) { load_split_words<Q5_KR>(reinterpret_cast<const u8*>(&v), qh, w); }
-};
+using Q4_KR = QK_45R<false>;
+using Q5_KR = QK_45R<true>;
 // Q6_KR: two high bits a value in 8 bytes (value 4i + b's at bits 2i of byte b of word 0 for values 0-15, of word 1
 // for values 16-31), Scale the two int8 scales of values 0-15 and 16-31, super d; 212 bytes against 210, 4 loads
 // a sub-block where gemv_groups' decode makes 7
