@@ -12,7 +12,9 @@ supply and why.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import tomllib
 from pathlib import Path
@@ -33,7 +35,10 @@ STEPS = int(os.environ.get("QGEMM_SCHEMATHESIS_STEPS", "40"))
 API_KEY = "schemathesis-key"
 SETTINGS = tomllib.loads((Path(__file__).parent.parent / "schemathesis.toml").read_text())
 
+# made at import, where the schemas below need it (not a fixture), so removed at exit: each run's copy holds a
+# truncated demo model, hundreds of MB, which runs left behind in the temporary directory until it filled
 MODELS_DIR = populate_models_dir(Path(tempfile.mkdtemp(prefix="qgemm-schemathesis-")), find_real_models_dir())
+atexit.register(shutil.rmtree, MODELS_DIR, ignore_errors=True)
 schemathesis_hooks.use_models_dir(MODELS_DIR)
 
 
