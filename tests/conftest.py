@@ -40,6 +40,15 @@ else:
     os.environ["QGEMM_TEST_CACHE_DIR"] = str(CACHE_DIR)
     atexit.register(shutil.rmtree, CACHE_DIR, True)
 os.environ["QGEMM_CACHE_DIR"] = str(CACHE_DIR)
+# this run's scratch directory for what a test module makes at import, made and removed by the process that starts
+# the run as CACHE_DIR is: a pytest-xdist worker's own exit hooks did not always run (one of two workers' directories
+# was left behind by each CI run)
+if os.environ.get("QGEMM_TEST_RUN_DIR"):
+    RUN_DIR = Path(os.environ["QGEMM_TEST_RUN_DIR"])
+else:
+    RUN_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-run-"))
+    os.environ["QGEMM_TEST_RUN_DIR"] = str(RUN_DIR)
+    atexit.register(shutil.rmtree, RUN_DIR, True)
 SMOL_ID = SMOLLM2.file[: -len(".gguf")]
 GEMMA_ID = GEMMA3_Q4_K_M.file[: -len(".gguf")]
 

@@ -12,9 +12,7 @@ supply and why.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import tempfile
 import tomllib
 from pathlib import Path
@@ -27,7 +25,7 @@ schemathesis = pytest.importorskip("schemathesis")  # a test extra: skipped wher
 from app.main import create_app  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from tests import schemathesis_hooks  # noqa: E402
-from tests.conftest import RUN_SEED, find_real_models_dir, populate_models_dir  # noqa: E402
+from tests.conftest import RUN_DIR, RUN_SEED, find_real_models_dir, populate_models_dir  # noqa: E402
 from tests.live import Server  # noqa: E402
 
 EXAMPLES = int(os.environ.get("QGEMM_SCHEMATHESIS_EXAMPLES", "25"))
@@ -35,10 +33,10 @@ STEPS = int(os.environ.get("QGEMM_SCHEMATHESIS_STEPS", "40"))
 API_KEY = "schemathesis-key"
 SETTINGS = tomllib.loads((Path(__file__).parent.parent / "schemathesis.toml").read_text())
 
-# made at import, where the schemas below need it (not a fixture), so removed at exit: each run's copy holds a
-# truncated demo model, hundreds of MB, which runs left behind in the temporary directory until it filled
-MODELS_DIR = populate_models_dir(Path(tempfile.mkdtemp(prefix="qgemm-schemathesis-")), find_real_models_dir())
-atexit.register(shutil.rmtree, MODELS_DIR, ignore_errors=True)
+# made at import, where the schemas below need it (not a fixture), in the run's scratch directory: each copy holds
+# a truncated demo model, hundreds of MB
+MODELS_DIR = populate_models_dir(Path(tempfile.mkdtemp(prefix="schemathesis-models-", dir=RUN_DIR)),
+                                 find_real_models_dir())
 schemathesis_hooks.use_models_dir(MODELS_DIR)
 
 
