@@ -30,25 +30,24 @@ from models.demo import ensure_demo
 from models.fetch import GEMMA3_Q4_K_M, SMOLLM2
 from models.store import ModelStore
 
+
+def _run_dir(env: str, prefix: str) -> Path:
+    """A directory for the whole run, made and removed at exit by the process that starts it; pytest-xdist's workers
+    inherit it through `env` (a worker's own exit hooks did not always run: one of two workers' directories was left
+    behind by each CI run)."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ[env] = str(d)
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 # the header indexes of this run (models/gguf_index.py), for its TestClients and for the servers its tests start:
 # large headers are read once per run, by `real_models_dir`, not once per client
-# (one for the whole run: pytest-xdist's workers inherit the controller's)
-if os.environ.get("QGEMM_TEST_CACHE_DIR"):
-    CACHE_DIR = Path(os.environ["QGEMM_TEST_CACHE_DIR"])
-else:
-    CACHE_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-cache-"))
-    os.environ["QGEMM_TEST_CACHE_DIR"] = str(CACHE_DIR)
-    atexit.register(shutil.rmtree, CACHE_DIR, True)
+CACHE_DIR = _run_dir("QGEMM_TEST_CACHE_DIR", "qgemm-test-cache-")
 os.environ["QGEMM_CACHE_DIR"] = str(CACHE_DIR)
-# this run's scratch directory for what a test module makes at import, made and removed by the process that starts
-# the run as CACHE_DIR is: a pytest-xdist worker's own exit hooks did not always run (one of two workers' directories
-# was left behind by each CI run)
-if os.environ.get("QGEMM_TEST_RUN_DIR"):
-    RUN_DIR = Path(os.environ["QGEMM_TEST_RUN_DIR"])
-else:
-    RUN_DIR = Path(tempfile.mkdtemp(prefix="qgemm-test-run-"))
-    os.environ["QGEMM_TEST_RUN_DIR"] = str(RUN_DIR)
-    atexit.register(shutil.rmtree, RUN_DIR, True)
+RUN_DIR = _run_dir("QGEMM_TEST_RUN_DIR", "qgemm-test-run-")  # scratch for what a test module makes at import
 SMOL_ID = SMOLLM2.file[: -len(".gguf")]
 GEMMA_ID = GEMMA3_Q4_K_M.file[: -len(".gguf")]
 
