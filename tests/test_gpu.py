@@ -506,6 +506,49 @@ def test_cublas_baselines_without_ctypes(backend, weights_bank, rng: np.random.G
                  rng.standard_normal((17, 4096)))
 
 
+@pytest.mark.parametrize("entry", ["to_f16", "to_bf16", "widen_f16"])
+@pytest.mark.parametrize(("size", "offset"), [(1, 0), (7, 0), (4103, 0), (4103, 1), (65536 + 9, 3), (8 * 4096, 0)])
+def test_casts_round_as_one_value_a_thread(backend, rng: np.random.Generator, entry: str, size: int,
+                                           offset: int) -> None:
+    """w16.cu's casts (eight values a thread where aligned, one at a time in the tail and where not) give numpy's
+    bits: fp32 to fp16 and to bf16 to nearest even (ties, subnormals, overflow to inf and NaN included), fp16 to
+    fp32 exactly.  Odd sizes and views one to three elements into a buffer reach the tail and the unaligned path;
+    outputs poisoned."""
+    import cupy
+
+    from kernels.cuda import layouts as L
+
+    x = (rng.standard_normal(size + offset) * np.exp(rng.uniform(-30, 30, size + offset))).astype(np.float32)
+    x[rng.integers(0, size + offset, max(1, size // 50))] = np.float32(np.nan)
+    x[:: 97] = np.float32(1 + 2.0 ** -11)  # a tie at fp16: to even
+    with np.errstate(over="ignore"):  # beyond fp16's range: inf, as on the GPU
+        x16 = x.astype(np.float16)
+    if entry == "widen_f16":
+        src = x16
+        want = src[offset:].astype(np.float32)
+    elif entry == "to_f16":
+        src, want = x, x16[offset:].view(np.uint16)
+    else:
+        src, want = x, _bf16_nearest_even(x[offset:])
+    out_dtype = np.float32 if entry == "widen_f16" else np.uint16
+    with backend.stream as s:
+        src_d = cupy.asarray(src)[offset:]
+        out = cupy.full(size + offset, 0xFFFF if out_dtype == np.uint16 else np.nan, dtype=out_dtype)[offset:]
+        L.cast(backend.modules, entry, src_d, out)
+        s.synchronize()
+    got, nan = cupy.asnumpy(out), np.isnan(x[offset:])  # a NaN's bits are CUDA's own (ggml's too): any NaN will do
+    as_float = {"to_f16": lambda b: b.view(np.float16), "to_bf16": lambda b: (b.astype(np.uint32) << 16).view(
+        np.float32), "widen_f16": lambda v: v}[entry]
+    assert np.isnan(as_float(got)[nan]).all()
+    assert np.array_equal(got[~nan], want[~nan])
+
+
+def _bf16_nearest_even(x: np.ndarray) -> np.ndarray:
+    """fp32 to bf16 bits, to nearest even (NaNs left out by the caller)."""
+    u = x.view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _f16_halves(w: np.ndarray) -> np.ndarray:
     return w.astype(np.float16)
 

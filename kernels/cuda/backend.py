@@ -543,7 +543,7 @@ class CudaBackend:
 
 def warm_up() -> None:
     """CuPy compiles its own elementwise and reduction kernels (NVRTC) at their first call, seconds each on a cold
-    cache: the checks a product makes (max|x| per row, finite outputs), the fills and casts, run here at start-up on
+    cache: the checks a product makes (max|x| per row, finite outputs) and the fills run here at start-up on
     the sizes that pick their variants, so that no request waits for a compile (on the H100 machine a cold one held
     the first products of larger batches for 3 to 5 s)."""
     for m, k, n in ((1, 32, 8), (64, 4096, 4096), (512, 4096, 14336)):
@@ -552,8 +552,6 @@ def warm_up() -> None:
         _row_amax(x, axis=1).get()
         cupy.isfinite(y).all().get()
         y.fill(0)
-        h = cupy.empty((m, k), dtype=cupy.float16)
-        cupy.copyto(h, x)
     cupy.cuda.get_current_stream().synchronize()
 
 

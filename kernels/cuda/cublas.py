@@ -97,17 +97,17 @@ def gemm_xwt(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray) -> None:
 _half_outputs: dict[tuple[int, int], cupy.ndarray] = {}  # per device and stream: the 16F call's half products
 
 
-def gemm_xwt_half(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray) -> None:
-    """llama.cpp's F16 product: half sums and outputs (gemm_xwt on half y), widened into the fp32 y exactly as its
-    to_fp32 does.  The half outputs live in a buffer per device and stream, grown outside capture (the first
-    call of a size runs first, as the bench's warm-up does), so that graphs can capture the call."""
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+def gemm_xwt_half(x: cupy.ndarray, w: cupy.ndarray, shape: tuple[int, int]) -> cupy.ndarray:
+    """llama.cpp's F16 product's half sums and outputs (gemm_xwt on a half y of `shape`), returned for the caller to
+    widen as its to_fp32 does.  They live in a buffer per device and stream, grown outside capture (the first call
+    of a size runs first, as the bench's warm-up does), so that graphs can capture the call."""
+    key, size = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr), shape[0] * shape[1]
     buf = _half_outputs.get(key)
-    if buf is None or buf.size < y.size:
-        buf = _half_outputs[key] = cupy.empty(y.size, dtype=cupy.float16)
-    half = buf[:y.size].reshape(y.shape)
+    if buf is None or buf.size < size:
+        buf = _half_outputs[key] = cupy.empty(size, dtype=cupy.float16)
+    half = buf[:size].reshape(shape)
     gemm_xwt(x, w, half)
-    cupy.copyto(y, half)
+    return half
 
 
 def _cupy_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, dtype: int, out: int, compute: int,

@@ -131,7 +131,7 @@ class Cublas(CudaKernel):
         from kernels.cuda import cublas
 
         if self.activation_format == "f16_h":  # llama.cpp's call for F16 matrices: sums and outputs in half
-            cublas.gemm_xwt_half(acts, w["w"], y)
+            L.cast(mods, "widen_f16", cublas.gemm_xwt_half(acts, w["w"], y.shape), y)
         else:
             cublas.gemm_xwt(acts, w["w"], y)  # fp16, bf16 or fp32 weights, dequantized (or as stored) at upload
 

@@ -383,13 +383,22 @@ class FloatActivations(ActivationLayout):
         return None
 
     def fill(self, mods: Any, x: Any, bufs: Any) -> Any:
-        if self.name == "f16":
-            cupy.copyto(bufs, x)
-        elif self.name == "bf16":
-            mods.function("w16.cu", "to_bf16")((cdiv(x.size, 256),), (256,), (x, bufs, I64(x.size)))
-        else:
+        if self.name not in ("f16", "bf16"):
             return x
+        cast(mods, f"to_{self.name}", x, bufs)
         return bufs
+
+
+CAST_THREADS, CAST_PER_THREAD = 256, 8  # as w16.cu's casts
+
+
+def cast(mods: Any, entry: str, src: Any, dst: Any) -> None:
+    """w16.cu's `to_f16`, `to_bf16` (fp32 -> 16 bits, to nearest even) or `widen_f16` (half -> fp32) of contiguous
+    arrays of one size, on the current stream."""
+    assert src.size == dst.size and src.flags.c_contiguous and dst.flags.c_contiguous
+    if src.size:
+        mods.function("w16.cu", entry)((cdiv(src.size, CAST_THREADS * CAST_PER_THREAD),), (CAST_THREADS,),
+                                       (src, dst, I64(src.size)))
 
 
 class Q8_1InKernel(ActivationLayout):

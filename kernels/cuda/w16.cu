@@ -1,6 +1,6 @@
 // FP32-activation kernels (W4A16 / W8A16): weights dequantized inside the kernel, fp32 math; the
 // one-time dequantization to fp16 / fp32 that the cuBLAS kernels multiply with; and the float matrices'
-// own kernels (llama.cpp's F16 and BF16 matrix-vector product, activations to bf16).
+// own kernels (llama.cpp's F16 and BF16 matrix-vector product, the cuBLAS products' casts).
 #include "common.cuh"
 #include <cuda_bf16.h>
 
@@ -190,10 +190,55 @@ MMVF_WARP(f16, MmvfF16Acc, 2, 1)
 MMVF_WARP(bf16, MmvfBf16Acc, 1, 2)
 MMVF_WARP(bf16, MmvfBf16Acc, 2, 1)
 
-// Activations for a BF16 matrix's cuBLAS product: rounded to bfloat16, to nearest even (as ggml converts them).
+// The cuBLAS products' casts: activations fp32 -> fp16 or bf16 (to nearest even, as ggml's to_fp16 / to_bf16
+// round them), and F16's half products widened to fp32 (exact, as ggml's to_fp32).  Eight values a thread, in
+// 16- and 32-byte accesses where both pointers are 16-byte aligned (else, and in the tail, one at a time: the same
+// bits).  One value a thread (CuPy's copyto) left 17% of the casts' bandwidth unused at M = 512-2048 (H100).
+#define CAST_PER_THREAD 8
+__device__ __forceinline__ unsigned short narrow_bits(float v, __half*) { return __half_as_ushort(__float2half_rn(v)); }
+__device__ __forceinline__ unsigned short narrow_bits(float v, __nv_bfloat16*) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+template <typename H>
+__device__ __forceinline__ void narrow(const float* __restrict__ x, H* __restrict__ out, long long n) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * CAST_PER_THREAD;
+    if (i >= n) return;
+    unsigned short* o = reinterpret_cast<unsigned short*>(out);
+    if (i + CAST_PER_THREAD <= n && ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(out)) & 15) == 0) {
+        const float4 a = reinterpret_cast<const float4*>(x + i)[0], b = reinterpret_cast<const float4*>(x + i)[1];
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            w[j] = narrow_bits(v[2 * j], out) | (unsigned)narrow_bits(v[2 * j + 1], out) << 16;
+        *reinterpret_cast<int4*>(o + i) = make_int4(w[0], w[1], w[2], w[3]);
+        return;
+    }
+    for (long long j = i; j < min(n, i + CAST_PER_THREAD); ++j) o[j] = narrow_bits(x[j], out);
+}
+extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restrict__ out, long long n) {
+    narrow(x, out, n);
+}
 extern "C" __global__ void to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, long long n) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = __float2bfloat16_rn(x[i]);
+    narrow(x, out, n);
+}
+extern "C" __global__ void widen_f16(const __half* __restrict__ h, float* __restrict__ y, long long n) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * CAST_PER_THREAD;
+    if (i >= n) return;
+    if (i + CAST_PER_THREAD <= n && ((reinterpret_cast<size_t>(h) | reinterpret_cast<size_t>(y)) & 15) == 0) {
+        const int4 q = *reinterpret_cast<const int4*>(h + i);
+        const unsigned w[4] = {(unsigned)q.x, (unsigned)q.y, (unsigned)q.z, (unsigned)q.w};
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __half2float(__ushort_as_half((unsigned short)(w[j] & 0xffff)));
+            v[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(w[j] >> 16)));
+        }
+        reinterpret_cast<float4*>(y + i)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(y + i)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+    for (long long j = i; j < min(n, i + CAST_PER_THREAD); ++j) y[j] = __half2float(h[j]);
 }
 
 // ---- float matrices at 2-16 rows on tensor cores (mmf) -------------------------------------------
