@@ -117,6 +117,29 @@ def copy_bandwidth(cupy: Any) -> float:
     return 2 * n / (ms * 1e-3)
 
 
+READ_LOADS = (4, 8, 16)  # peak.cu read_only_u<U>: 16-byte loads a thread in flight; the least time counts
+
+
+def read_only_ms(cupy: Any, mods: Any, nbytes: int, l2_bytes: int, args: argparse.Namespace) -> float:
+    """The time a kernel that only reads `nbytes` (peak.cu read_only_u<U>) takes back to back, on copies rotated to
+    fill L2 three times as the weights are: the least a one-launch product of that many weight bytes can take here,
+    ramp, tail and launch gap included (copy bandwidth, over 1 GiB, leaves them out).  The least of a few U."""
+    import numpy as np
+
+    n16 = max(1, nbytes // 16)
+    copies = max(2, math.ceil(3 * l2_bytes / (16 * n16)))
+    bufs = [cupy.full(4 * n16, i + 1, dtype=cupy.int32) for i in range(copies)]
+    best = math.inf
+    for u in READ_LOADS:
+        grid = -(-n16 // (256 * u))
+        out = cupy.empty(grid, dtype=cupy.uint32)
+        fn = mods.function("peak.cu", f"read_only_u{u}")
+        ms, _ = timed_ms(cupy, lambda i, f=fn, g=grid, o=out: f((g,), (256,), (bufs[i], np.int64(n16), o)), args,
+                         copies)
+        best = min(best, ms)
+    return best
+
+
 def activation_step(mods: Any, spec: Any, x: Any, type_name: str) -> Callable[[], Any]:
     """The activation work timed with each GEMM (llama.cpp's times include it): Q8_1 quantization into the
     kernel's layout, the fp16 / bf16 cast of the cuBLAS kernels, or nothing.  Buffers are made here, beforehand:
@@ -215,6 +238,9 @@ def run(args: argparse.Namespace, llama: dict[tuple[str, int, int], float]) -> d
                         raw = requantize(values, Scheme(type_name.lower()))
                     n = raw.shape[0]
                     wbytes = raw.nbytes
+                    read_us = read_only_ms(cupy, mods, wbytes, backend.l2_bytes, args) * 1e3
+                    print(f"{type_name} K={k:<5} read-only {read_us:9.2f} µs "
+                          f"({wbytes / read_us / 1e3:.0f} GB/s) from HBM", flush=True)
                     w32 = layouts.F32.make(mods, type_name, raw, n, k)["w"].astype(cupy.float64)
                     made: dict[str, list[dict]] = {}  # each weight layout's rotating copies
                     for name in names:
@@ -265,6 +291,7 @@ def run(args: argparse.Namespace, llama: dict[tuple[str, int, int], float]) -> d
                                 "bw_share": moved / (total * 1e-3) / bw,
                                 "mma_share": 2 * m * n * k / (total * 1e-3) / (peak * 1e12),
                                 "floor_us": max(moved / bw, 2 * m * n * k / (peak * 1e12)) * 1e6,
+                                "read_only_us": read_us,
                                 "llama_cpp_us": llama.get((type_name, k, m)),
                                 "cublas_f16_anchor_us": CUBLAS_F16_US.get(k, {}).get(m),
                                 "bitsandbytes_us": None,
@@ -298,17 +325,22 @@ def run(args: argparse.Namespace, llama: dict[tuple[str, int, int], float]) -> d
 
 def table(result: dict[str, Any]) -> str:
     lines = ["| type | K | M | kernel | quantize µs | GEMM µs | total µs (HBM) | total µs (same buffer) | "
-             "llama.cpp µs | vs llama.cpp | TOPS | GB/s | share of bound | × naive | NMSE |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "read-only µs (HBM) | llama.cpp µs | vs llama.cpp | TOPS | GB/s | share of bound | × naive | NMSE |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         llama = r["llama_cpp_us"]
         ratio = f"{llama / r['total_same_us']:.2f}x" if llama else ""
         sp = f"{r['speedup_vs_naive']:.1f}" if r["speedup_vs_naive"] else ""
         lines.append(f"| {r['type']} | {r['K']} | {r['M']} | {r['kernel']} | {r['quantize_us']:.1f} | "
                      f"{r['gemm_us']:.1f} | {r['total_us']:.1f} | {r['total_same_us']:.1f} | "
-                     f"{llama if llama else ''} | {ratio} | {r['tops']:.1f} | {r['gbps']:.0f} | "
+                     f"{_us(r.get('read_only_us'))} | {llama if llama else ''} | {ratio} | {r['tops']:.1f} | "
+                     f"{r['gbps']:.0f} | "
                      f"{100 * r['floor_us'] / r['total_us']:.0f}% | {sp} | {r['nmse']:.1e} |")
     return "\n".join(lines)
+
+
+def _us(v: float | None) -> str:
+    return f"{v:.1f}" if v is not None else ""
 
 
 def _timing_note(result: dict[str, Any]) -> str:
@@ -349,6 +381,8 @@ one back-to-back pair (quantize and GEMM alone are reported beside it). NMSE is 
 FP64 product of the dequantized weights. Ceilings measured in the same run: device-to-device copy
 {result['copy_bandwidth_gbps']:.0f} GB/s (read + write), int8 `mma.sync` loop {result['int8_mma_peak_tops']:.0f} TOPS.
 "Share of bound" is max(bytes / copy bandwidth, ops / mma peak) over the measured time (HBM figure).
+"Read-only" is a kernel that only reads the weights' bytes (16-byte loads), timed the same way on rotating copies:
+the least a one-launch product of that size takes on this GPU, its ramp, tail and launch gap included.
 
 llama.cpp's figures: {_llama_note(result)}
 

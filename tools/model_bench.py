@@ -12,7 +12,9 @@ holds each of its shapes (models/cut.py: a GPU machine without the whole file), 
 ours.
 
 Which bound a tensor meets: "bandwidth" where its bytes at the copy bandwidth of the same run take at least
-LAUNCH_BOUND_US, else "launch" (a small tensor's time is the fixed cost of a launch or two, not its bytes).
+LAUNCH_BOUND_US, else "launch" (a small tensor's time is the fixed cost of a launch or two, not its bytes).  Each row
+also holds `read_only_us`, the time a kernel that only reads the tensor's bytes takes the same way (tools/bench.py
+read_only_ms): the least a one-launch product of it can take on that GPU.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def time_shapes(model: Any, shapes: dict[Shape, list[str]], ms: list[int], reps:
     from app.settings import Settings
     from kernels.cuda.backend import CudaBackend
     from kernels.select import KernelChooser
-    from tools.bench import activation_step, copy_bandwidth, timed_ms
+    from tools.bench import activation_step, copy_bandwidth, read_only_ms, timed_ms
 
     backend = CudaBackend(Settings.from_env(backend="cuda"))
     chooser = KernelChooser(backend)
@@ -74,6 +76,7 @@ def time_shapes(model: Any, shapes: dict[Shape, list[str]], ms: list[int], reps:
             bw = copy_bandwidth(cupy)
             for (type_name, n, k), names in sorted(shapes.items()):
                 raw = model.raw(names[0])
+                read_us = read_only_ms(cupy, mods, raw.nbytes, backend.l2_bytes, args) * 1e3
                 kernels = {m: chooser.choose("auto", names[0], type_name, m, n, k) for m in ms}
                 made: dict[str, list[dict]] = {}
                 for kernel in kernels.values():
@@ -103,10 +106,10 @@ def time_shapes(model: Any, shapes: dict[Shape, list[str]], ms: list[int], reps:
                                  "tensors": len(names), "weight_bytes": int(raw.nbytes), "hbm_us": hbm * 1e3,
                                  "same_us": same * 1e3, "floor_us": floor_us, "bw_share": floor_us / (hbm * 1e3),
                                  "bound": "bandwidth" if floor_us >= LAUNCH_BOUND_US else "launch",
-                                 "timing": method})
+                                 "read_only_us": read_us, "timing": method})
                     print(f"{type_name:<6} [{n:>6}, {k:>6}] M={m:<4} {kernel.name:<14} HBM {hbm * 1e3:8.2f} µs  "
-                          f"same buffer {same * 1e3:8.2f} µs  ({100 * floor_us / (hbm * 1e3):.0f}% of copy bandwidth)",
-                          flush=True)
+                          f"same buffer {same * 1e3:8.2f} µs  ({100 * floor_us / (hbm * 1e3):.0f}% of copy bandwidth; "
+                          f"reading its weights alone {read_us:.2f} µs)", flush=True)
                 del made
                 cupy.get_default_memory_pool().free_all_blocks()
         return bw
