@@ -363,6 +363,36 @@ def test_gemv_k_is_gemv_bit_for_bit_on_its_own_layout(backend, rng: np.random.Ge
         backend.unload(lambda key, wk=w.key: key == wk)
 
 
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "MXFP4"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_code_books_at_m1_are_gemv_rows_bit_for_bit(backend, rng: np.random.Generator, monkeypatch,
+                                                        type_name: str, split: int) -> None:
+    """gemv's M = 1 kernel of the code-book formats (gemv.cu gemv_groups, LOOKAHEAD sub-blocks a lane in flight)
+    adds its sub-blocks in gemv_rows' order (one a step), so a warp a row gives gemv_rows' M = 1 products bit for
+    bit; split over 2 warps, the reference's.  K not a multiple of the lanes' steps, N not of a block's rows (and a
+    single row), every code and scale byte, X with an all-zero quant block, Y poisoned."""
+    from kernels.cuda import launch
+
+    monkeypatch.setitem(launch.GROUPS_SPLIT, type_name, split)
+    spec, rows = KERNELS["gemv"], KERNELS["gemv_rows"]
+    reason = backend.kernel_reason(spec) or backend.kernel_reason(rows)
+    if reason:
+        pytest.skip(reason)
+    for n, k in ((300, 2304), (1, 256), (37, 14336 + 256), (9, 32 * 33 * 8)):
+        raw = groups.random_blocks(type_name, n, k, rng, float(rng.uniform(0.005, 0.05)))
+        w = Weights(("codes1", type_name, split, n, k), type_name, n, k, lambda raw=raw: raw)
+        x = (rng.standard_normal((1, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+        x[0, 32:64] = 0.0  # d = 0 and q = 0 for that block
+        got = backend.run(spec, w, x, poison=True)
+        assert got.output.shape == (1, n) and np.isfinite(got.output).all(), (n, k)
+        if split == 1:
+            want = backend.run(rows, w, x, poison=True)
+            np.testing.assert_array_equal(got.output, want.output, err_msg=f"{type_name} N={n} K={k}")
+        ref_y, terms = reference_product(type_name, raw, x, spec.activation_format)
+        assert_matches(got.output, ref_y, terms, f"gemv {type_name} S={split} N={n} K={k}")
+        backend.unload(lambda key, wk=w.key: key == wk)
+
+
 @pytest.mark.parametrize("type_name", LEGACY_TYPES)
 def test_mmq_grids_of_several_waves(backend, weights_bank, rng: np.random.Generator, monkeypatch,
                                     type_name: str) -> None:
