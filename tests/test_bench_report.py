@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.bench import _timing_note
+from tools.bench import _timing_note, table
 
 
 def test_report_names_kernels_timed_call_by_call() -> None:
@@ -14,6 +14,21 @@ def test_report_names_kernels_timed_call_by_call() -> None:
 
 def test_report_says_when_every_row_came_from_graphs() -> None:
     assert "Every row" in _timing_note({"rows": [{"kernel": "mmq", "timing": "graph"}]})
+
+
+def test_table_gives_each_rows_read_only_floor_and_leaves_it_blank_in_older_results() -> None:
+    """bench.md's table: the read-only floor of the row's shape beside its times; rows of a bench.json written
+    before the floor was measured (no read_only_us) still render, with that cell empty."""
+    row = {"type": "Q4_0", "K": 4096, "M": 1, "kernel": "gemv", "quantize_us": 1.0, "gemm_us": 4.0, "total_us": 4.6,
+           "total_same_us": 4.4, "llama_cpp_us": 7.15, "tops": 0.1, "gbps": 2000.0, "floor_us": 2.2,
+           "speedup_vs_naive": None, "nmse": 1.7e-4}
+    lines = table({"rows": [{**row, "read_only_us": 3.68}, row]}).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    col = head.index("read-only µs (HBM)")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(lines[1].strip("|").split("|")) == len(head) and all(len(c) == len(head) for c in cells)
+    assert cells[0][col] == "3.7" and cells[1][col] == ""
+    assert cells[0][head.index("total µs (HBM)")] == "4.6"
 
 
 def test_tuning_table_of_some_shapes_keeps_the_others(tmp_path) -> None:
