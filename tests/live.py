@@ -20,7 +20,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
-from tests.conftest import CACHE_DIR
+from tests.conftest import CACHE_DIR, RUN_DIR
 
 TENSOR, K, N = "blk.0.attn_q.weight", 4096, 4096
 ROOT = Path(__file__).parents[1]
@@ -66,7 +66,7 @@ class Server:
     def __init__(self, models_dir: Path, fronts: int = 2, **env: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"qgemm-test-serve-{self.port}.log"
+        self.log = RUN_DIR / f"serve-{self.port}.log"  # its stderr, for a failing test's message; gone with the run
         self.env = {**os.environ, "QGEMM_MODELS_DIR": str(models_dir), "QGEMM_BACKEND": BACKEND,
                     "QGEMM_CACHE_DIR": str(CACHE_DIR), "QGEMM_FRONTS": str(fronts), **env}
         self.proc: subprocess.Popen | None = None
