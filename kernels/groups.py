@@ -95,6 +95,8 @@ class GroupedFormat:
     # The row counts from which it is the faster, H100, N = 4096, K = 4096 and 14336 (kernels-at-the-limit.md, fifth
     # and sixth sessions): IQ4_NL, IQ4_XS, MXFP4 5; Q5_K 4; Q4_K 5 (4 at K = 14336); Q3_K and Q6_K 6 (5 at 14336).
     skinny_min_m = 0
+    # a code book's nibble field: its plane holds them as paired_nibbles packs them (what groups.cuh's lookup16x8 reads)
+    code_plane: str | None = None
     skinny_runs: tuple[str, ...] = ()
     skinny_scales: tuple[str, ...] = ()
     # mmq (mmq.cuh, M > 8) multiplies a format with a scale per 16 values as two k16 MMAs a block, each scaled in
@@ -240,6 +242,7 @@ class Q6K(GroupedFormat):
 
 class IQ4NL(GroupedFormat):
     name, planes = "IQ4_NL", ("qs", "d")
+    code_plane = "qs"
     skinny_min_m = 5
     dtype = np.dtype([("d", "<f2"), ("qs", "u1", 16)])
 
@@ -253,6 +256,7 @@ class IQ4NL(GroupedFormat):
 
 class IQ4XS(GroupedFormat):
     name, planes = "IQ4_XS", ("qs", ("d", "scales_h", "scales_l"))
+    code_plane = "qs"
     skinny_min_m = 5
     dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
 
@@ -270,6 +274,7 @@ class IQ4XS(GroupedFormat):
 
 class MXFP4(GroupedFormat):
     name, planes = "MXFP4", ("qs", "e")
+    code_plane = "qs"
     skinny_min_m = 5
     dtype = np.dtype([("e", "u1"), ("qs", "u1", 16)])
 
@@ -376,16 +381,28 @@ def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator, scal
     return np.ascontiguousarray(b).view(np.uint8).reshape(n, nb * fmt.block_bytes)
 
 
+def paired_nibbles(qs: np.ndarray) -> np.ndarray:
+    """A code book's nibble bytes, 16 a 32-value block (GGUF's order: byte l holds value l low and l + 16 high),
+    as groups.cuh's lookup16x8 reads them: in word i of a block, nibbles 0-3 are values 4i..4i+3 and nibbles 4-7
+    values 16+4i..16+4i+3, the values that pair with the activations' words i and i + 4 as looked up."""
+    c = np.concatenate([qs.reshape(-1, 16) & 0xF, qs.reshape(-1, 16) >> 4], axis=1)  # [blocks, 32] in value order
+    c = c.reshape(-1, 2, 4, 2, 2).transpose(0, 2, 1, 3, 4)  # [block, word i, half, byte of the half, nibble]
+    return (c[..., 0] | (c[..., 1] << 4)).astype(np.uint8).reshape(qs.shape)
+
+
 def field_planes(type_name: str, raw: np.ndarray) -> list[np.ndarray]:
     """The blocks' fields, each as one contiguous byte array, in the format's `planes` order (the gemv layout); a
-    plane of several fields holds their bytes together, block after block (the fields are adjacent in the block)."""
+    plane of several fields holds their bytes together, block after block (the fields are adjacent in the block);
+    a code book's nibbles paired as its lookup reads them."""
+    fmt = grouped(type_name)
     b = blocks_of(type_name, raw).reshape(-1)
     rows = b.view(np.uint8).reshape(b.size, -1)
     planes = []
-    for plane in grouped(type_name).planes:
+    for plane in fmt.planes:
         names = _fields(plane)
         start = b.dtype.fields[names[0]][1]
         end = b.dtype.fields[names[-1]][1] + b.dtype.fields[names[-1]][0].itemsize
         assert end - start == sum(b.dtype.fields[f][0].itemsize for f in names), (type_name, plane)  # adjacent
-        planes.append(np.ascontiguousarray(rows[:, start:end]).reshape(-1))
+        p = np.ascontiguousarray(rows[:, start:end]).reshape(-1)
+        planes.append(paired_nibbles(p) if plane == fmt.code_plane else p)
     return planes

@@ -36,6 +36,40 @@ def test_decode_is_ggufs(rng: np.random.Generator, type_name: str) -> None:
         assert np.array_equal(groups.dequantize(groups.decode(type_name, raw)), want)
 
 
+def prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """PTX prmt.b32 (default mode) on uint32 arrays: result byte i is byte (sel nibble i & 7) of b:a, or that
+    byte's sign bit replicated where the nibble's bit 3 is set."""
+    a, b = np.broadcast_to(a, sel.shape), np.broadcast_to(b, sel.shape)
+    pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    out = np.zeros(sel.shape, np.uint32)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = np.take_along_axis(pool, (nib & 7)[None].astype(np.int64), 0)[0]
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte.astype(np.uint32) << np.uint32(8 * i)
+    return out
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "MXFP4"])
+def test_code_book_plane_is_looked_up_in_value_order(rng: np.random.Generator, type_name: str) -> None:
+    """groups.cuh's lookup16x8, step for step, on the paired nibbles of the gemv plane (field_planes): word i of a
+    block gives values 4i..4i+3 (x) and 16+4i..16+4i+3 (y), the int8 code-book values decode() gives."""
+    raw = extreme(type_name, 7, 512, rng)
+    fmt = groups.grouped(type_name)
+    plane = groups.field_planes(type_name, raw)[fmt.planes.index(fmt.code_plane)]
+    table = (groups.KVALUES_IQ4NL if type_name != "MXFP4" else groups.KVALUES_MXFP4).astype(np.int8)
+    t = table.view(np.uint8).view("<u4").astype(np.uint32)
+    q = plane.view("<u4").astype(np.uint32)
+    idx, pick = q & 0x77777777, 0x32103210 | ((q >> 1) & 0x44444444)
+    hi = idx >> 16
+    x = prmt(prmt(t[0], t[1], idx), prmt(t[2], t[3], idx), pick)
+    y = prmt(prmt(t[0], t[1], hi), prmt(t[2], t[3], hi), pick >> 16)
+    words = np.stack([x.reshape(-1, 4), y.reshape(-1, 4)], axis=1)  # [block, (x, y), word i]: values 16h + 4i + byte
+    got = np.ascontiguousarray(words.astype("<u4")).view(np.int8).reshape(-1, 32)
+    want = groups.decode(type_name, raw).q.reshape(-1, 32)
+    assert np.array_equal(got, want)
+
+
 def test_mxfp4_from_ggufs_quantizer(rng: np.random.Generator) -> None:
     raw = quants.quantize(rng.standard_normal((5, 256)).astype(np.float32), GGMLQuantizationType.MXFP4)
     want = quants.dequantize(raw, GGMLQuantizationType.MXFP4).astype(np.float64)

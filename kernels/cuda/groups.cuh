@@ -35,23 +35,23 @@ __device__ __forceinline__ float half_of(unsigned v, int i) {  // half i (0: low
     return __half2float(__ushort_as_half((unsigned short)(v >> (16 * i))));
 }
 
-// 8 codes (the nibbles of q) through a 16-entry int8 table packed in 4 words, as llama.cpp's
-// get_int_from_table_16: PRMT looks each code up among entries 0..7 and 8..15 by its low 3 bits, a third PRMT
-// picks between the two by bit 3, and two more gather the low nibbles' values (x) and the high nibbles' (y).
-// 10 PRMTs and 4 logic ops for 8 values; picking among 16 for 4 codes at a time took 13 ops for 4.
+// 8 codes of a word through a 16-entry int8 table packed in 4 words, as llama.cpp's get_int_from_table_16: PRMT
+// looks each code up among entries 0..7 and 8..15 by its low 3 bits and a third PRMT picks between the two by bit
+// 3.  The word is in the order groups.py's paired_nibbles packs at upload: nibbles 0-3 are the values that pair with
+// one activation word (x), nibbles 4-7 those of the word 4 on (y), so no PRMT regathers them as GGUF's order (byte l:
+// value l low, l + 16 high) needed.  6 PRMTs and 5 logic ops for 8 values (10 and 4 in GGUF's order).
 __device__ __forceinline__ int2 lookup16x8(unsigned q, unsigned t0, unsigned t1, unsigned t2, unsigned t3) {
-    const unsigned idx = q & 0x77777777u, pick = 0x32103210u | ((q & 0x88888888u) >> 1);
-    const unsigned a = __byte_perm(__byte_perm(t0, t1, idx), __byte_perm(t2, t3, idx), pick);  // codes 0-3
-    const unsigned b = __byte_perm(__byte_perm(t0, t1, idx >> 16), __byte_perm(t2, t3, idx >> 16), pick >> 16);
-    return make_int2(int(__byte_perm(a, b, 0x6420u)), int(__byte_perm(a, b, 0x7531u)));
+    const unsigned idx = q & 0x77777777u, pick = 0x32103210u | ((q >> 1) & 0x44444444u), hi = idx >> 16;
+    return make_int2(int(__byte_perm(__byte_perm(t0, t1, idx), __byte_perm(t2, t3, idx), pick)),
+                     int(__byte_perm(__byte_perm(t0, t1, hi), __byte_perm(t2, t3, hi), pick >> 16)));
 }
 // kvalues_iq4nl {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113} and kvalues_mxfp4
 // (E2M1 times 2) {0, 1, 2, 3, 4, 6, 8, 12, -0, -1, -2, -3, -4, -6, -8, -12}, 4 bytes a word
 #define IQ4NL_TABLE 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
 #define MXFP4_TABLE 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
 
-// A 16-entry int8 code book packed in 4 words: 8 codes at a time (lookup), or 16 bytes of nibbles (byte l: value l
-// low, value l + 16 high) to the 32 values' words (words)
+// A 16-entry int8 code book packed in 4 words: 8 codes at a time (lookup), or a block's 16 bytes of paired nibbles
+// to the 32 values' words (words)
 template <unsigned T0, unsigned T1, unsigned T2, unsigned T3>
 struct CodeBook {
     __device__ static __forceinline__ int2 lookup(unsigned q) { return lookup16x8(q, T0, T1, T2, T3); }
