@@ -57,8 +57,8 @@ def test_code_book_plane_is_looked_up_in_value_order(rng: np.random.Generator, t
     raw = extreme(type_name, 7, 512, rng)
     fmt = groups.grouped(type_name)
     plane = groups.field_planes(type_name, raw)[fmt.planes.index(fmt.code_plane)]
-    table = (groups.KVALUES_IQ4NL if type_name != "MXFP4" else groups.KVALUES_MXFP4).astype(np.int8)
-    t = table.view(np.uint8).view("<u4").astype(np.uint32)
+    table = groups.KVALUES_IQ4NL if type_name != "MXFP4" else groups.KVALUES_MXFP4  # int8, 4 a word
+    t = table.view("<u4").astype(np.uint32)
     q = plane.view("<u4").astype(np.uint32)
     idx, pick = q & 0x77777777, 0x32103210 | ((q >> 1) & 0x44444444)
     hi = idx >> 16

@@ -38,8 +38,8 @@ __device__ __forceinline__ float half_of(unsigned v, int i) {  // half i (0: low
 // 8 codes of a word through a 16-entry int8 table packed in 4 words, as llama.cpp's get_int_from_table_16: PRMT
 // looks each code up among entries 0..7 and 8..15 by its low 3 bits and a third PRMT picks between the two by bit
 // 3.  The word is in the order groups.py's paired_nibbles packs at upload: nibbles 0-3 are the values that pair with
-// one activation word (x), nibbles 4-7 those of the word 4 on (y), so no PRMT regathers them as GGUF's order (byte l:
-// value l low, l + 16 high) needed.  6 PRMTs and 5 logic ops for 8 values (10 and 4 in GGUF's order).
+// one activation word (x), nibbles 4-7 those of the word 4 on (y), so they need no regathering PRMTs, as GGUF's order
+// (byte l: value l low, l + 16 high) did.  6 PRMTs and 5 logic ops for 8 values (10 and 4 in GGUF's order).
 __device__ __forceinline__ int2 lookup16x8(unsigned q, unsigned t0, unsigned t1, unsigned t2, unsigned t3) {
     const unsigned idx = q & 0x77777777u, pick = 0x32103210u | ((q >> 1) & 0x44444444u), hi = idx >> 16;
     return make_int2(int(__byte_perm(__byte_perm(t0, t1, idx), __byte_perm(t2, t3, idx), pick)),
