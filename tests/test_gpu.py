@@ -331,10 +331,10 @@ def test_gemv_fused_is_gemv_bit_for_bit_in_one_launch(backend, rng: np.random.Ge
         backend.unload(lambda key, wk=w.key: key == wk)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gemv_k_is_gemv_bit_for_bit_on_its_own_layout(backend, rng: np.random.Generator, monkeypatch,
                                                      type_name: str) -> None:
-    """gemv_k (gemv.cu gemv1_q<n>_kr: the K-quants' sub-blocks as chunked rows, layouts.K_ROWS) gives gemv's M = 1
+    """gemv_k (gemv.cu gemv1_q<n>_kr, gemv1_iq4_xsr: the sub-blocks as chunked rows, layouts.K_ROWS) gives gemv's M = 1
     products of the GGUF fields bit for bit, and the reference's: K not a whole chunk of 64 sub-blocks, N not a
     multiple of a block's 8 rows (and a single row), random scale, nibble and high-bit bytes (every code), X with
     an all-zero quant block, Y poisoned first.  gemv runs a warp a row here, as gemv_k does (Q5_K's gemv splits a

@@ -182,3 +182,41 @@ def test_k_quant_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.
         got[:, QK * b:QK * (b + 1)] = value
     want = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [256, 2048, 4096 + 256, 14336])
+def test_iq4_xs_rows_hold_every_sub_block_where_gemv_k_reads_it(rng: np.random.Generator, k: int) -> None:
+    """layouts.k_quant_rows of IQ4_XS read back at common.cuh's ChunkedRows<IQ4_XSR> offsets and looked up as
+    groups.cuh's IQ4_XSR does (written out here): sub-block j of chunk c has 16 code bytes at c * CHUNK + 16 j, in
+    lookup16x8's order (nibbles 0-3 of word i values 4i.., nibbles 4-7 values 16 + 4i..), after the chunk's nb
+    code runs its int8 scale minus 32, and after the nb scales its super-block's d at 2 (j / 8); the values so read
+    are gguf's dequantization."""
+    from gguf import GGMLQuantizationType, quants
+
+    from kernels.cuda.layouts import KQuantRows, k_quant_rows
+    from kernels.groups import KVALUES_IQ4NL, random_blocks
+
+    n = 3
+    raw = random_blocks("IQ4_XS", n, k, rng)  # every code and scale bit uniform
+    rows = k_quant_rows("IQ4_XS", raw)
+    kb, (per, sup) = k // QK, KQuantRows.GEOMETRY["IQ4_XS"]
+    full = L.chunk_bytes(per, L.CHUNK_BLOCKS, sup)
+    assert rows.shape == (n, L.chunked_row_bytes(per, kb, sup)) and full % 16 == 0 and rows.shape[1] % 16 == 0
+    m = np.arange(8)
+    got = np.empty((n, k), np.float64)
+    for b in range(kb):
+        c, j = divmod(b, L.CHUNK_BLOCKS)
+        nb = min(L.CHUNK_BLOCKS, kb - c * L.CHUNK_BLOCKS)
+        chunk = c * full
+        at_sc, at_sup = chunk + 16 * nb, chunk + per * nb
+        assert at_sup % sup == 0
+        qs = rows[:, chunk + 16 * j:][:, :16].astype(np.int64)
+        codes = np.empty((n, 32), np.int64)
+        for i in range(4):  # nibble m of word i: byte 4 i + m / 2, low half first
+            nib = (qs[:, 4 * i + m // 2] >> (4 * (m % 2))) & 0xF
+            codes[:, 4 * i:4 * i + 4], codes[:, 16 + 4 * i:16 + 4 * i + 4] = nib[:, :4], nib[:, 4:]
+        sc = rows[:, at_sc + j].view(np.int8).astype(np.float64)
+        d = np.ascontiguousarray(rows[:, at_sup + sup * (j // 8):][:, :sup]).view(np.float16).astype(np.float64)
+        got[:, QK * b:QK * (b + 1)] = d * sc[:, None] * KVALUES_IQ4NL[codes]
+    want = quants.dequantize(raw, GGMLQuantizationType.IQ4_XS).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

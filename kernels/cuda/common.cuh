@@ -333,6 +333,13 @@ __device__ __forceinline__ __half load_once(const __half* p) {
     return __ushort_as_half(r);
 }
 template <bool KEEP_L1>
+__device__ __forceinline__ unsigned char load_once(const unsigned char* p) {
+    if constexpr (KEEP_L1) return __ldg(p);
+    unsigned short r;
+    asm("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(r) : "l"(p));
+    return (unsigned char)r;
+}
+template <bool KEEP_L1>
 __device__ __forceinline__ unsigned short load_once(const unsigned short* p) {
     if constexpr (KEEP_L1) return __ldg(p);
     unsigned short r;

@@ -617,9 +617,10 @@ __device__ void gemv1_fused(const u8* __restrict__ W, const float* __restrict__ 
     }
 QGEMM_FOR_FAST_TYPES(FUSED)
 
-// The K-quants at M = 1 on their chunked rows (groups.cuh Q4_KR, Q5_KR, Q6_KR), streamed as gemv1 streams the
-// legacy formats.  An H200, [4096, 14336], quantize + GEMM from HBM, gemv on the GGUF fields -> these: Q4_K 14.0 ->
-// 11.1 us, Q5_K 14.6 -> 13.2, Q6_K 17.0 -> 14.6; at K = 4096 they are 0.1-0.8 us slower (auto's table).  For Q4_K
+// The K-quants (and IQ4_XS) at M = 1 on their chunked rows (groups.cuh Q4_KR, Q5_KR, Q6_KR, IQ4_XSR), streamed as
+// gemv1 streams the legacy formats.  An H200, [4096, 14336], quantize + GEMM from HBM, gemv on the GGUF fields ->
+// these: Q4_K 14.0 -> 11.1 us, Q5_K 14.6 -> 13.2, Q6_K 17.0 -> 14.6; at K = 4096 they are 0.1-0.8 us slower (auto's
+// table).  For Q4_K
 // the L2 prefetch (stream_row) took 12.5 -> 11.1, 2-4 chunks ahead 11.8-12.0.  Also slower there: 3 or 4 blocks a
 // lane a step, or a row split over 2 or 4 warps (more registers or more warps than one wave of 4096 rows holds),
 // and the one-launch form (gemv1_fused) at K = 4096.
@@ -631,6 +632,7 @@ QGEMM_FOR_FAST_TYPES(FUSED)
 GEMV_KR(q4_kr, Q4_KR)
 GEMV_KR(q5_kr, Q5_KR)
 GEMV_KR(q6_kr, Q6_KR)
+GEMV_KR(iq4_xsr, IQ4_XSR)  // an H200, K = 14336: 14.1 -> 13.5 us from HBM, the same from L2; slower at K = 4096
 
 // ---- gemv for the grouped formats (K-quants, IQ4_NL / IQ4_XS, MXFP4; groups.cuh) -----------------------
 // llama.cpp's MMVQ formula, M <= MT: a warp per weight row, a lane per 32-value sub-block (lanes of a warp

@@ -439,6 +439,29 @@ struct IQ4_XS {
     }
 };
 
+// IQ4_XS's sub-blocks as gemv's chunked rows too (layouts.py K_ROWS), as the K-quants' above: its 16 code bytes as
+// gemv_groups reads them (paired nibbles, groups.py), Scale its 6-bit scale minus 32 as an int8, super d; 138 bytes
+// a super-block against 136, streamed by gemv's legacy loop.  The same integer sums and float operations as
+// gemv_groups' IQ4_XS, so its products bit for bit.
+struct IQ4_XSR {
+    static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 2;
+    static constexpr bool QH = false, MIN = false;
+    using Scale = unsigned char;
+    __device__ static void words(int4 v, unsigned, int* w) {
+        const int p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int2 r = IQ4_XS::Codes::lookup(unsigned(p[i]));
+            w[i] = r.x;
+            w[i + 4] = r.y;
+        }
+    }
+    __device__ static float sum(unsigned char ls, unsigned d, const int* w, const int* a) {
+        const float sc[1] = {half_bits(d) * float(int(i8(ls)))}, cf[1] = {};
+        return group_sum<IQ4_XS>(sc, cf, dot8<true>(w, a), 0, a);
+    }
+};
+
 // E8M0 as llama.cpp's ggml_cuda_e8m0_to_fp32: 2^(e - 127), e = 0 the subnormal 2^-127
 __device__ __forceinline__ float e8m0_to_float(unsigned e) { return __uint_as_float(e ? e << 23 : 0x00400000u); }
 

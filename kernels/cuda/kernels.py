@@ -328,8 +328,8 @@ class GemvFused(CudaKernel):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GemvKRows(CudaKernel):
-    """M = 1 for Q4_K, Q5_K and Q6_K on their own chunked rows (layouts.K_ROWS): gemv.cu's gemv1_q<n>_kr, gemv1's
-    legacy stream over them, launched dependent on its quantize kernel (pdl.py)."""
+    """M = 1 for Q4_K, Q5_K, Q6_K and IQ4_XS on their own chunked rows (layouts.K_ROWS): gemv.cu's gemv1_q<n>_kr and
+    gemv1_iq4_xsr, gemv1's legacy stream over them, launched dependent on its quantize kernel (pdl.py)."""
 
     def entry_points(self, type_name: str) -> tuple[str, ...]:
         return (f"gemv1_{suffix(type_name)}r",)
@@ -530,11 +530,11 @@ register(GemvFused(
 register(GemvKRows(
     name="gemv_k", activation_format="q8_1_mmvq", source="gemv.cu", layout=L.K_ROWS, acts=L.Q8_1_SPLIT, min_cc=80,
     max_m=1, weight_types=L.KQuantRows.TYPES, auto_rank=0,
-    description="M = 1 for Q4_K, Q5_K and Q6_K on their own layout, made at upload: each 32-value sub-block as a "
-                "legacy block (16 nibble bytes, Q5_K's fifth bits as Q5_0's, Q6_K's two high bits in 8 bytes, its "
-                "scales unpacked to two bytes; the super-block's d (and dmin) once a super-block), streamed as gemv "
-                "streams the legacy formats: 3-4 loads a sub-block where gemv's decode of the GGUF fields makes 7-9; "
-                "gemv's products bit for bit"))
+    description="M = 1 for Q4_K, Q5_K, Q6_K and IQ4_XS on their own layout, made at upload: each 32-value sub-block "
+                "as a legacy block (16 nibble bytes, Q5_K's fifth bits as Q5_0's, Q6_K's two high bits in 8 bytes, its "
+                "scales unpacked to two bytes; IQ4_XS's codes in its lookup's order, its scale an int8; the "
+                "super-block's d (and dmin) once a super-block), streamed as gemv streams the legacy formats: 3-4 "
+                "loads a sub-block where gemv's decode of the GGUF fields makes 7-9; gemv's products bit for bit"))
 register(Bnb4Gemv(
     name="bnb4_gemv", activation_format="f32", source="bnb4.cu", layout=L.BNB4, min_cc=70, max_m=8,
     weight_types=BNB4_TYPES, auto_rank=4,

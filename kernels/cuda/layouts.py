@@ -284,10 +284,11 @@ class KQuantRows(WeightLayout):
     sub-block a legacy block of 16 nibble bytes in Q4_0's order, its high bits (Q5_K: a uint32, bit l value l's
     fifth; Q6_K: two uint32 of 2-bit pairs) and its scales unpacked to two bytes, and each super-block's float
     fields once after a chunk's scales (Q4_K 148 bytes a super-block against the file's 144, Q5_K 180 against 176,
-    Q6_K 212 against 210)."""
+    Q6_K 212 against 210).  IQ4_XS the same way (groups.cuh IQ4_XSR): 16 code bytes a sub-block as its lookup reads
+    them (groups.py paired_nibbles), its scale minus 32 as an int8, d once a super-block: 138 bytes against 136."""
 
     # bytes a sub-block (its block in the chunk) and a super-block (after the chunk's scales)
-    GEOMETRY = {"Q4_K": (18, 4), "Q5_K": (22, 4), "Q6_K": (26, 2)}
+    GEOMETRY = {"Q4_K": (18, 4), "Q5_K": (22, 4), "Q6_K": (26, 2), "IQ4_XS": (17, 2)}
     TYPES = tuple(GEOMETRY)
 
     def nbytes(self, type_name: str, n: int, k: int) -> int:
@@ -300,9 +301,9 @@ class KQuantRows(WeightLayout):
 
 
 def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
-    """Raw GGUF rows of a K-quant KQuantRows holds (uint8 [N, row_bytes]) as KQuantRows: uint8
+    """Raw GGUF rows of a format KQuantRows holds (uint8 [N, row_bytes]) as KQuantRows: uint8
     [N, chunked_row_bytes(block bytes, K / 32, super bytes)]."""
-    from kernels.groups import blocks_of, grouped, scale_min_k4
+    from kernels.groups import blocks_of, grouped, paired_nibbles, scale_min_k4
 
     if type_name not in KQuantRows.TYPES:
         raise ValueError(f"the {K_ROWS.name} layout holds {', '.join(KQuantRows.TYPES)} only, not {type_name}")
@@ -310,6 +311,14 @@ def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     n, sbs = b.shape
     kb = 8 * sbs
     fmt = grouped(type_name)
+    if type_name == "IQ4_XS":
+        qs = paired_nibbles(np.ascontiguousarray(b["qs"]).reshape(n, kb, 16))
+        j = np.arange(8)
+        ls = ((b["scales_l"][..., j // 2].astype(np.int32) >> (4 * (j % 2))) & 0xF) | \
+            (((b["scales_h"][..., None].astype(np.int32) >> (2 * j)) & 3) << 4)
+        scales = (ls - 32).astype(np.int8).view(np.uint8).reshape(n, kb, 1)
+        sup = np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, sbs, 2)
+        return _chunks([qs, scales], KQuantRows.GEOMETRY[type_name][0], (sup,), KQuantRows.GEOMETRY[type_name][1])
     if type_name == "Q6_K":
         q = (fmt.decode(b)[0].reshape(n, kb, 32) + 32).astype(np.uint32)  # 0..63
         # high bit pairs: value 4i + c (i < 4) at bits 8c + 2i of word 0; value 16 + 4i + c the same in word 1
