@@ -260,12 +260,16 @@ class IQ4XS(GroupedFormat):
     skinny_min_m = 5
     dtype = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", 4), ("qs", "u1", 128)])
 
+    @staticmethod
+    def scales(b: np.ndarray) -> np.ndarray:
+        """The 8 sub-blocks' 6-bit scales ls of each block (int32 [..., 8]; the scale is d * (ls - 32))."""
+        ib = np.arange(8)
+        return ((b["scales_l"][..., ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF) | \
+            (((b["scales_h"][..., None].astype(np.int32) >> (2 * ib)) & 3) << 4)
+
     def decode(self, b: np.ndarray) -> tuple:
         q = KVALUES_IQ4NL[_nibbles(b["qs"].reshape(*b.shape, 8, 16))]
-        ib = np.arange(8)
-        ls = ((b["scales_l"][..., ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF) | \
-            (((b["scales_h"][..., None].astype(np.int32) >> (2 * ib)) & 3) << 4)
-        scale = _f64(b["d"])[..., None] * (ls - 32)
+        scale = _f64(b["d"])[..., None] * (self.scales(b) - 32)
         return q, scale, None, scale, None
 
     def randomize(self, b: np.ndarray, rng: np.random.Generator, scale: float) -> None:

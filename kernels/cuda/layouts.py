@@ -303,7 +303,7 @@ class KQuantRows(WeightLayout):
 def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     """Raw GGUF rows of a format KQuantRows holds (uint8 [N, row_bytes]) as KQuantRows: uint8
     [N, chunked_row_bytes(block bytes, K / 32, super bytes)]."""
-    from kernels.groups import blocks_of, grouped, paired_nibbles, scale_min_k4
+    from kernels.groups import IQ4XS, blocks_of, grouped, paired_nibbles, scale_min_k4
 
     if type_name not in KQuantRows.TYPES:
         raise ValueError(f"the {K_ROWS.name} layout holds {', '.join(KQuantRows.TYPES)} only, not {type_name}")
@@ -313,10 +313,7 @@ def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
     fmt = grouped(type_name)
     if type_name == "IQ4_XS":
         qs = paired_nibbles(np.ascontiguousarray(b["qs"]).reshape(n, kb, 16))
-        j = np.arange(8)
-        ls = ((b["scales_l"][..., j // 2].astype(np.int32) >> (4 * (j % 2))) & 0xF) | \
-            (((b["scales_h"][..., None].astype(np.int32) >> (2 * j)) & 3) << 4)
-        scales = (ls - 32).astype(np.int8).view(np.uint8).reshape(n, kb, 1)
+        scales = (IQ4XS.scales(b) - 32).astype(np.int8).view(np.uint8).reshape(n, kb, 1)
         sup = np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, sbs, 2)
         return _chunks([qs, scales], KQuantRows.GEOMETRY[type_name][0], (sup,), KQuantRows.GEOMETRY[type_name][1])
     if type_name == "Q6_K":
