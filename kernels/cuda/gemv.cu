@@ -620,10 +620,9 @@ QGEMM_FOR_FAST_TYPES(FUSED)
 // The K-quants (and IQ4_XS) at M = 1 on their chunked rows (groups.cuh Q4_KR, Q5_KR, Q6_KR, IQ4_XSR), streamed as
 // gemv1 streams the legacy formats.  An H200, [4096, 14336], quantize + GEMM from HBM, gemv on the GGUF fields ->
 // these: Q4_K 14.0 -> 11.1 us, Q5_K 14.6 -> 13.2, Q6_K 17.0 -> 14.6; at K = 4096 they are 0.1-0.8 us slower (auto's
-// table).  For Q4_K
-// the L2 prefetch (stream_row) took 12.5 -> 11.1, 2-4 chunks ahead 11.8-12.0.  Also slower there: 3 or 4 blocks a
-// lane a step, or a row split over 2 or 4 warps (more registers or more warps than one wave of 4096 rows holds),
-// and the one-launch form (gemv1_fused) at K = 4096.
+// table).  For Q4_K the L2 prefetch (stream_row) took 12.5 -> 11.1, 2-4 chunks ahead 11.8-12.0.  Also slower there:
+// 3 or 4 blocks a lane a step, or a row split over 2 or 4 warps (more registers or more warps than one wave of 4096
+// rows holds), and the one-launch form (gemv1_fused) at K = 4096.
 #define GEMV_KR(t, T)                                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         gemv1_##t(const u8* w, const i8* aq, const __half2* ads, float* Y, int N, int K) {                      \

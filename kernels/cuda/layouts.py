@@ -315,7 +315,8 @@ def k_quant_rows(type_name: str, raw: np.ndarray) -> np.ndarray:
         qs = paired_nibbles(np.ascontiguousarray(b["qs"]).reshape(n, kb, 16))
         scales = (IQ4XS.scales(b) - 32).astype(np.int8).view(np.uint8).reshape(n, kb, 1)
         sup = np.ascontiguousarray(b["d"]).view(np.uint8).reshape(n, sbs, 2)
-        return _chunks([qs, scales], KQuantRows.GEOMETRY[type_name][0], (sup,), KQuantRows.GEOMETRY[type_name][1])
+        block_bytes, super_bytes = KQuantRows.GEOMETRY[type_name]
+        return _chunks([qs, scales], block_bytes, (sup,), super_bytes)
     if type_name == "Q6_K":
         q = (fmt.decode(b)[0].reshape(n, kb, 32) + 32).astype(np.uint32)  # 0..63
         # high bit pairs: value 4i + c (i < 4) at bits 8c + 2i of word 0; value 16 + 4i + c the same in word 1
