@@ -55,8 +55,7 @@ __device__ __forceinline__ int2 lookup16x8(unsigned q, unsigned t0, unsigned t1,
 template <unsigned T0, unsigned T1, unsigned T2, unsigned T3>
 struct CodeBook {
     __device__ static __forceinline__ int2 lookup(unsigned q) { return lookup16x8(q, T0, T1, T2, T3); }
-    __device__ static __forceinline__ void words(const u8* qs, int* w) {
-        const int4 v = __ldg(reinterpret_cast<const int4*>(qs));
+    __device__ static __forceinline__ void words(int4 v, int* w) {  // a block's 16 code bytes, as loaded
         const int p[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -64,6 +63,9 @@ struct CodeBook {
             w[i] = r.x;
             w[i + 4] = r.y;
         }
+    }
+    __device__ static __forceinline__ void words(const u8* qs, int* w) {
+        words(__ldg(reinterpret_cast<const int4*>(qs)), w);
     }
 };
 
@@ -447,15 +449,7 @@ struct IQ4_XSR {
     static constexpr int QS_BYTES = 16, OFFSET = 0, SUPER_BYTES = 2;
     static constexpr bool QH = false, MIN = false;
     using Scale = unsigned char;
-    __device__ static void words(int4 v, unsigned, int* w) {
-        const int p[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int2 r = IQ4_XS::Codes::lookup(unsigned(p[i]));
-            w[i] = r.x;
-            w[i + 4] = r.y;
-        }
-    }
+    __device__ static void words(int4 v, unsigned, int* w) { IQ4_XS::Codes::words(v, w); }
     __device__ static float sum(unsigned char ls, unsigned d, const int* w, const int* a) {
         const float sc[1] = {half_bits(d) * float(int(i8(ls)))}, cf[1] = {};
         return group_sum<IQ4_XS>(sc, cf, dot8<true>(w, a), 0, a);
